@@ -1,0 +1,3 @@
+from tandem.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""One dispatch point for the ops a model calls.
+
+A model calls ``kernels.causal_conv1d`` and friends, never a backend directly, so a Triton version
+can register itself under the same name (for the device it supports) without a change in the
+model. The pure-torch references in ``reference.py`` are the default everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tandem.kernels import reference
+
+_OPS: dict[str, Callable] = {
+    "causal_conv1d": reference.causal_conv1d,
+    "chunk_gated_delta_rule": reference.chunk_gated_delta_rule,
+    "recurrent_gated_delta_step": reference.recurrent_gated_delta_step,
+}
+
+
+def register(name: str, fn: Callable) -> Callable:
+    """Replace an op; returns the previous one so a test can put it back."""
+    if name not in _OPS:
+        raise KeyError(f"unknown op {name!r}; known: {sorted(_OPS)}")
+    previous, _OPS[name] = _OPS[name], fn
+    return previous
+
+
+def implementation(name: str) -> Callable:
+    return _OPS[name]
+
+
+def causal_conv1d(x, tail, weight):
+    return _OPS["causal_conv1d"](x, tail, weight)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state):
+    return _OPS["chunk_gated_delta_rule"](q, k, v, g, beta, state)
+
+
+def recurrent_gated_delta_step(q, k, v, g, beta, state):
+    return _OPS["recurrent_gated_delta_step"](q, k, v, g, beta, state)

@@ -1,0 +1,111 @@
+"""Pure-torch reference ops for Gated DeltaNet layers.
+
+Every op takes one sequence (no batch axis) and runs in fp32 inside, whatever the model dtype.
+Shapes never depend on where a sequence was cut except through the caller's chunking, so a
+prefill resumed on the same grid runs exactly the arithmetic a cold one ran (DESIGN.md: the two
+gates). The naive per-token loops in ``naive.py`` are the specification these are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GDN_CHUNK = 64  # the chunk of the delta rule's WY form; every prefill grid line is a multiple
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv1d(x: torch.Tensor, tail: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal convolution with SiLU, continuing from ``tail``.
+
+    x: [T, C] the new inputs; tail: [C, K-1] the previous K-1 inputs (zeros at token 0), updated
+    in place to the last K-1 inputs; weight: [C, K]. Returns [T, C] in x's dtype.
+
+    The tail is concatenated for every call, the first chunk included, so a cold chunk and a
+    resumed one convolve the same shapes.
+    """
+    width = weight.shape[1] - 1
+    full = torch.cat([tail.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
+    y = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), groups=full.shape[0])[0]  # [C, T]
+    tail.copy_(full[:, full.shape[1] - width:])
+    return F.silu(y).transpose(0, 1)
+
+
+def _prepare(q, k, v, g, beta, scale_q: bool = True):
+    """To fp32, heads first, q and k L2-normalised, q scaled, q/k heads repeated to v's."""
+    num_k_heads, num_v_heads = q.shape[1], v.shape[1]
+    if num_v_heads != num_k_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    q, k, v = (t.transpose(0, 1).to(torch.float32) for t in (q, k, v))  # [H, T, d]
+    g, beta = (t.transpose(0, 1).to(torch.float32) for t in (g, beta))  # [H, T]
+    q, k = l2norm(q), l2norm(k)
+    if scale_q:
+        q = q * q.shape[-1] ** -0.5
+    return q, k, v, g, beta
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor,
+                           chunk_size: int = GDN_CHUNK) -> torch.Tensor:
+    """The gated delta rule over a prefill chunk in its chunked (WY) form.
+
+    q, k: [T, Hk, dk]; v: [T, Hv, dv]; g (log decay, <= 0), beta: [T, Hv]; state: [Hv, dk, dv]
+    fp32, updated in place. Returns o: [T, Hv, dv] in v's dtype.
+
+    T is padded to a multiple of ``chunk_size`` with g = 0 and beta = k = 0, which leaves the state
+    untouched, so every inner chunk has the same shape.
+    """
+    out_dtype = v.dtype
+    seq_len = q.shape[0]
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    pad = (-seq_len) % chunk_size
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    heads, total, dk = k.shape
+    dv = v.shape[-1]
+    n = total // chunk_size
+    q, k, v = (t.reshape(heads, n, chunk_size, t.shape[-1]) for t in (q, k, v))
+    g, beta = g.reshape(heads, n, chunk_size), beta.reshape(heads, n, chunk_size)
+
+    k_beta = k * beta.unsqueeze(-1)
+    v_beta = v * beta.unsqueeze(-1)
+    g_cum = g.cumsum(dim=-1)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g_cum.unsqueeze(-1) - g_cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    # (I + strict_lower(beta k k^T * decay)) u = beta v: the UT transform of the chunk's updates.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * g_cum.exp().unsqueeze(-1), upper=False,
+                                      unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * g_cum.exp().unsqueeze(-1)
+    k_to_end = k * (g_cum[..., -1:] - g_cum).exp().unsqueeze(-1)
+    chunk_decay = g_cum[..., -1].exp()
+
+    out = torch.empty(heads, n, chunk_size, dv, dtype=torch.float32, device=q.device)
+    s = state
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i, None, None] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    state.copy_(s)
+    out = out.reshape(heads, total, dv)[:, :seq_len]
+    return out.transpose(0, 1).to(out_dtype)
+
+
+def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """One decode token of the gated delta rule: shapes as chunk_gated_delta_rule with T = 1."""
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [H, 1, d]
+    s = state * g.exp().unsqueeze(-1)  # [H, dk, dv] * [H, 1, 1]
+    kv_mem = k @ s  # [H, 1, dv]
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    s = s + k.transpose(-1, -2) @ delta
+    state.copy_(s)
+    return (q @ s).transpose(0, 1).to(out_dtype)
