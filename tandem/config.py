@@ -1,0 +1,425 @@
+"""One config tree: frozen msgspec Structs, the only place a knob and its default are declared.
+
+Every leaf field is a *knob* with one canonical name, unique across sections (``prefix_chunk``),
+from which its three spellings are derived:
+
+- a key in its section of ``config/tandem.toml`` (``[engine] prefix_chunk = 1024``),
+- a flag of ``tandem serve`` (``--prefix-chunk``),
+- an environment variable (``TANDEM_PREFIX_CHUNK``).
+
+Precedence: the Struct defaults < the TOML file < the environment < the command line. A field's
+doc is its ``Meta(description=...)``: the flag's help and the TOML comment are read from it, and
+its constraints (``ge=0``, ...) are checked wherever a value comes from. A bad value (wrong type,
+out of range, an unknown key in the TOML) is a :class:`ConfigError` naming the knob in all three
+spellings; nothing falls back silently.
+
+``config/tandem.toml`` is :func:`default_toml` written out (a test holds them equal), so the
+defaults live here alone: regenerate it with ``python -m tandem.config > config/tandem.toml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+import tomllib
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+ENV_PREFIX = "TANDEM_"
+CONFIG_ENV = "TANDEM_CONFIG"  # a config file path; not a knob (it says where the knobs are)
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A config value tandem cannot take; the message names the knob and where the value came
+    from."""
+
+
+class _Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ServerConfig(_Section):
+    """The HTTP server (OpenAI routes, console)."""
+
+    host: Annotated[str, Meta(description="Address the server listens on.")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535, description=(
+        "TCP port the server listens on (0: any free port)."))] = 8000
+    max_body_bytes: Annotated[int, Meta(ge=1, description=(
+        "Largest request body accepted, in bytes (8 MiB); a larger one gets 413."))] = 8 * MiB
+    queue_limit: Annotated[int, Meta(ge=1, description=(
+        "Requests waiting for the engine beyond which a new one gets 503 with Retry-After."))] = 16
+    request_read_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "Seconds a client has to send its whole request before the connection is closed."
+        ))] = 30.0
+    model: Annotated[str, Meta(min_length=1, description=(
+        "Model to serve: 'tiny' (the embedded default, written under home) or a checkpoint "
+        "directory."))] = "tiny"
+    record_dir: Annotated[str, Meta(description=(
+        "Folder where sessions are recorded for replay, relative to home unless absolute; "
+        "empty: recording off."))] = ""
+
+
+class EngineConfig(_Section):
+    """The engine: buffers, the prefill grid, threads and dtype."""
+
+    window: Annotated[int, Meta(ge=1, description=(
+        "Tokens of KV rows preallocated for one sequence: the longest prompt plus answer."
+        ))] = 65536
+    prefix_chunk: Annotated[int, Meta(ge=1, description=(
+        "Prefill chunk in tokens: prefills run in chunks on multiples of it from token 0, and "
+        "cache anchors sit on these grid lines."))] = 1024
+    num_threads: Annotated[int, Meta(ge=0, description=(
+        "torch CPU threads (0: torch's default); recorded, since results depend on it."))] = 0
+    dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
+        "Weights and activations dtype; auto: float32 on a CPU, bfloat16 on a GPU."
+        ))] = "auto"
+
+
+class CacheConfig(_Section):
+    """Cache tiers and their budgets (spec: caches.txt); sizes in GiB unless named otherwise."""
+
+    resident_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of the resident prefix anchors in host memory, GiB."))] = 2.5
+    resident_guest_max: Annotated[int, Meta(ge=0, description=(
+        "Longest prompt, in tokens, of a request without a session that may leave resident "
+        "anchors."))] = 8192
+    resident_stash_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of the stash of recently evicted anchors, GiB."))] = 1.0
+    resident_pin_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of pinned session anchors, GiB."))] = 4.0
+    resident_park_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of parked (idle session) anchors, GiB."))] = 4.0
+    end_anchor: Annotated[bool, Meta(description=(
+        "Keep the state at the end of the last answer so the next turn resumes there."
+        ))] = True
+    cache_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of the disk tier under home, GiB."))] = 2.0
+    store_entry_gb: Annotated[float, Meta(ge=0, description=(
+        "Largest single entry of the state store, GiB."))] = 1.0
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole config. Sections are tables in the TOML; knob names are unique across them."""
+
+    home: Annotated[str, Meta(description=(
+        "Folder holding every file tandem writes (models, journal, disk tier, spill); empty: "
+        "$XDG_CACHE_HOME/tandem, else ~/.cache/tandem."))] = ""
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], Meta(description=(
+        "Least severe log level written."))] = "info"
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+
+    def home_path(self) -> Path:
+        """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a
+        Config built by hand resolves it here from ``os.environ``."""
+        return Path(self.home).expanduser() if self.home else default_home(os.environ)
+
+    def models_dir(self) -> Path:
+        """Where tandem writes models it creates (the embedded ``tiny``)."""
+        return self.home_path() / "models"
+
+    def journal_path(self) -> Path:
+        """The JSONL journal: one row per request and per cache event."""
+        return self.home_path() / "journal.jsonl"
+
+    def record_path(self) -> Path | None:
+        """The recording folder, or None when recording is off."""
+        if not self.server.record_dir:
+            return None
+        path = Path(self.server.record_dir).expanduser()
+        return path if path.is_absolute() else self.home_path() / path
+
+
+def default_home(env: Mapping[str, str]) -> Path:
+    """``$XDG_CACHE_HOME/tandem``, else ``~/.cache/tandem``."""
+    xdg = env.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path(env.get("HOME") or Path.home()) / ".cache"
+    return base / "tandem"
+
+
+# ---------------------------------------------------------------------------------------------
+# Knobs: the leaf fields and their spellings
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One leaf field of the tree, with its three spellings."""
+
+    name: str  # canonical: the TOML key and the field name
+    section: str | None  # None: a top-level key
+    annotation: Any  # the field's type, with its Meta constraints
+    default: Any
+    doc: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def toml(self) -> str:
+        return f"[{self.section}] {self.name}" if self.section else self.name
+
+    @property
+    def base_type(self) -> Any:
+        t = self.annotation
+        while typing.get_origin(t) is Annotated:
+            t = typing.get_args(t)[0]
+        return t
+
+    def spellings(self) -> str:
+        return f"`{self.name}` (toml {self.toml}, flag {self.flag}, env {self.env})"
+
+    def convert(self, value: Any, *, from_text: bool, source: str) -> Any:
+        """``value`` as this knob's type, its constraints checked. ``from_text``: a string from
+        the environment or the command line, parsed ('8000', 'true', '2.5')."""
+        try:
+            return msgspec.convert(value, self.annotation, strict=not from_text)
+        except msgspec.ValidationError as e:
+            raise ConfigError(
+                f"bad value {value!r} for knob {self.spellings()} from {source}: {e}") from None
+
+
+def _section_knobs(cls: type, section: str | None) -> list[Knob]:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    knobs = []
+    for f in msgspec.structs.fields(cls):
+        t = hints[f.name]
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            continue  # a section: its knobs are listed under it
+        meta = [m for m in typing.get_args(t)[1:] if isinstance(m, Meta)]
+        doc = meta[0].description if meta and meta[0].description else ""
+        assert doc, f"config field {cls.__name__}.{f.name} has no description"
+        knobs.append(Knob(f.name, section, t, f.default, doc))
+    return knobs
+
+
+def _sections() -> dict[str | None, type]:
+    hints = typing.get_type_hints(Config)
+    out: dict[str | None, type] = {None: Config}
+    for f in msgspec.structs.fields(Config):
+        t = hints[f.name]
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            out[f.name] = t
+    return out
+
+
+def _all_knobs() -> dict[str, Knob]:
+    out: dict[str, Knob] = {}
+    for section, cls in _sections().items():
+        for knob in _section_knobs(cls, section):
+            assert knob.name not in out, f"knob name {knob.name!r} is declared twice"
+            out[knob.name] = knob
+    return out
+
+
+KNOBS: dict[str, Knob] = _all_knobs()
+
+
+def knobs() -> list[Knob]:
+    """Every knob, in declaration order (top level first, then each section)."""
+    return list(KNOBS.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: Mapping[str, str] | None = None,
+                cli_args: argparse.Namespace | Mapping[str, Any] | Sequence[str] | None = None,
+                ) -> Config:
+    """The config from the defaults, then the TOML file, then ``TANDEM_*`` variables, then the
+    command line, each overriding the one before.
+
+    ``path``: a TOML file; None: ``--config`` from ``cli_args``, else ``$TANDEM_CONFIG``, else no
+    file (the defaults, which ``config/tandem.toml`` documents). ``env``: None reads
+    ``os.environ``; ``TANDEM_*`` names that are no knob are ignored (other tools share the
+    prefix). ``cli_args``: a Namespace from a parser given :func:`add_config_flags`, a mapping
+    of knob name to value, or a list of argv strings; None values mean "not given".
+    """
+    env = os.environ if env is None else env
+    cli = _cli_values(cli_args)
+    if path is None:
+        path = cli.pop("config", None) or env.get(CONFIG_ENV) or None
+    cli.pop("config", None)
+
+    values: dict[str, Any] = {}
+    if path is not None:
+        for name, value in _read_toml(Path(path)).items():
+            values[name] = KNOBS[name].convert(value, from_text=False, source=f"file {path}")
+    for knob in KNOBS.values():
+        if knob.env in env:
+            values[knob.name] = knob.convert(env[knob.env], from_text=True,
+                                             source=f"env {knob.env}")
+    for name, value in cli.items():
+        knob = KNOBS.get(name)
+        if knob is None:
+            raise ConfigError(f"unknown config knob {name!r} on the command line")
+        values[name] = knob.convert(value, from_text=isinstance(value, str),
+                                    source=f"flag {knob.flag}")
+
+    if not values.get("home"):
+        values["home"] = str(default_home(env))
+    return _build(values)
+
+
+def _build(values: Mapping[str, Any]) -> Config:
+    tree: dict[str, Any] = {}
+    for name, value in values.items():
+        section = KNOBS[name].section
+        (tree.setdefault(section, {}) if section else tree)[name] = value
+    try:
+        return msgspec.convert(tree, Config)
+    except msgspec.ValidationError as e:  # each value was checked; this is a cross-field rule
+        raise ConfigError(f"bad config: {e}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The file's knobs by name; an unknown key, a key in the wrong section or a TOML syntax
+    error is a ConfigError."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    sections = _sections()
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if key in sections and key is not None and isinstance(value, dict):
+            for name, v in value.items():
+                knob = KNOBS.get(name)
+                if knob is None or knob.section != key:
+                    raise ConfigError(_unknown_key(path, f"[{key}] {name}", name))
+                out[name] = v
+        else:
+            knob = KNOBS.get(key)
+            if knob is None or knob.section is not None:
+                raise ConfigError(_unknown_key(path, key, key))
+            out[key] = value
+    return out
+
+
+def _unknown_key(path: Path, where: str, name: str) -> str:
+    knob = KNOBS.get(name)
+    hint = f"; it belongs in {knob.toml}" if knob else ""
+    return f"unknown key {where} in config file {path}{hint}"
+
+
+def _cli_values(cli_args: argparse.Namespace | Mapping[str, Any] | Sequence[str] | None,
+                ) -> dict[str, Any]:
+    if cli_args is None:
+        return {}
+    if isinstance(cli_args, argparse.Namespace):
+        items = vars(cli_args)
+        # a parser may carry other arguments (a subcommand's own); keep only knobs and --config
+        return {k: v for k, v in items.items() if v is not None and (k in KNOBS or k == "config")}
+    if isinstance(cli_args, Mapping):
+        return {k: v for k, v in cli_args.items() if v is not None}
+    if isinstance(cli_args, (str, bytes)):
+        raise TypeError("cli_args: pass a list of argv strings, not one string")
+    parser = argparse.ArgumentParser(prog="tandem", add_help=False, exit_on_error=False)
+    add_config_flags(parser)
+    try:
+        ns = parser.parse_args(list(cli_args))
+    except argparse.ArgumentError as e:
+        raise ConfigError(str(e)) from None
+    return _cli_values(ns)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config`` and one flag per knob to ``parser`` (default None: not given). A value is
+    checked as it is parsed; :func:`load_config` takes the resulting Namespace."""
+    group = parser.add_argument_group("config", "every knob; also a TOML key and a TANDEM_* "
+                                      "variable (see config/tandem.toml)")
+    group.add_argument("--config", default=None, metavar="PATH",
+                       help=f"TOML config file (also ${CONFIG_ENV}).")
+    for knob in KNOBS.values():
+        help_text = f"{knob.doc} Default: {_toml_value(knob.default)}; env {knob.env}."
+        help_text = help_text.replace("%", "%%")
+        t = knob.base_type
+        if t is bool:
+            group.add_argument(knob.flag, dest=knob.name, default=None,
+                               action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(t) is Literal:
+            group.add_argument(knob.flag, dest=knob.name, default=None,
+                               choices=list(typing.get_args(t)), help=help_text)
+        else:
+            group.add_argument(knob.flag, dest=knob.name, default=None, type=_flag_type(knob),
+                               metavar={str: "TEXT"}.get(t, t.__name__.upper()), help=help_text)
+
+
+def _flag_type(knob: Knob):
+    def convert(text: str) -> Any:
+        try:
+            return knob.convert(text, from_text=True, source=f"flag {knob.flag}")
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = knob.base_type.__name__  # argparse names the type in its messages
+    return convert
+
+
+# ---------------------------------------------------------------------------------------------
+# The documented default file
+
+
+def default_toml() -> str:
+    """``config/tandem.toml``: every knob with its default and its doc as a comment."""
+    lines = [
+        "# tandem's configuration: every knob with its default. Generated from tandem/config.py",
+        "# (python -m tandem.config > config/tandem.toml); a test holds the two equal.",
+        "#",
+        "# Each key is also a flag of `tandem serve` (prefix_chunk: --prefix-chunk) and an",
+        "# environment variable (TANDEM_PREFIX_CHUNK). Precedence: this file < environment <",
+        "# command line. Point tandem at another file with --config or $TANDEM_CONFIG.",
+    ]
+    for section, cls in _sections().items():
+        lines.append("")
+        if section is not None:
+            lines.append(f"# {cls.__doc__.strip()}")
+            lines.append(f"[{section}]")
+            lines.append("")
+        for knob in _section_knobs(cls, section):
+            lines.extend(textwrap.wrap(knob.doc, width=98, initial_indent="# ",
+                                       subsequent_indent="# "))
+            lines.append(f"{knob.name} = {_toml_value(knob.default)}")
+            lines.append("")
+        if lines[-1] == "":
+            lines.pop()
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()  # a JSON string is a TOML basic string
+    raise TypeError(f"no TOML spelling for {value!r}")
+
+
+if __name__ == "__main__":
+    sys.stdout.write(default_toml())

@@ -1,0 +1,475 @@
+"""Chat: OpenAI messages to prompt text, and generated text back to reasoning, content and tool
+calls.
+
+Rendering validates the messages (:class:`ChatError` names the message and the problem), turns
+each tool call's ``arguments`` into a parsed JSON object and renders the Jinja template in a
+sandbox. tandem's template (``chat_template.jinja``) is in the Qwen3 format and keeps every
+answer's reasoning, so a conversation's rendering only grows by appending.
+
+JSON in the prompt is written in Qwen's spelling: ``json.dumps(value, ensure_ascii=False)``, with
+separators ``", "`` and ``": "`` and keys in the order given (the ``tojson`` of transformers'
+chat templates). A Qwen model writes its tool calls that way, and clients send the arguments back
+in their own spelling (opencode re-serialises them compactly, ``{"a":"b"}``): parsing and
+re-rendering them gives back the text the model wrote, so the rendered history matches the
+tokens the model generated and a cached prefix stays valid.
+
+Parsing: the prompt ends with ``<think>\\n`` when thinking is on, so a generation is
+``REASONING</think>\\n\\nCONTENT``; ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+</tool_call>`` blocks in the content become tool calls (a block that is not such JSON stays in
+the content, verbatim). Reasoning and content are stripped of surrounding whitespace, as the
+template strips them when it renders them back. :class:`StreamParser` gives the same result
+incrementally, never leaking a partial ``</think>`` or ``<tool_call>`` tag.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import msgspec
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+
+ROLES = ("system", "user", "assistant", "tool")
+TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+
+
+class ChatError(ValueError):
+    """A request's messages or tools that cannot be rendered; the message says which and why."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering
+
+
+@lru_cache(maxsize=1)
+def default_chat_template() -> str:
+    """tandem's own chat template (Qwen3 format, every answer's reasoning kept)."""
+    return TEMPLATE_PATH.read_text(encoding="utf-8")
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                add_generation_prompt: bool = True,
+                enable_thinking: bool = True,
+                template: str | None = None,
+                preserve_thinking: bool = True) -> str:
+    """The prompt text of a conversation. ``template``: a Jinja chat template (a checkpoint's
+    own); None: tandem's. ``enable_thinking``: the generation prompt opens ``<think>\\n`` (True)
+    or closes an empty think block (False). ``preserve_thinking``: render the reasoning of every
+    earlier answer (True) or only after the last user query (False, Qwen3's published rule)."""
+    normalized = normalize_messages(messages)
+    tool_list = normalize_tools(tools)
+    compiled = _compile(template if template is not None else default_chat_template())
+    try:
+        return compiled.render(messages=normalized, tools=tool_list,
+                               add_generation_prompt=add_generation_prompt,
+                               enable_thinking=enable_thinking,
+                               preserve_thinking=preserve_thinking)
+    except ChatError:
+        raise
+    except jinja2.TemplateError as e:
+        raise ChatError(f"chat template failed: {e}") from None
+
+
+def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Checked copies of OpenAI chat messages, in the shape the template takes: ``developer``
+    becomes ``system``, ``reasoning`` becomes ``reasoning_content``, a tool call's
+    ``arguments`` becomes a parsed JSON object. Raises ChatError."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ChatError("messages must be a list of message objects")
+    if not messages:
+        raise ChatError("messages is empty")
+    return [_normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+
+
+def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """The tools as given (rendered with tojson, keys in their order), checked; None or [] when
+    there are none."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes)) or not isinstance(tools, Sequence):
+        raise ChatError("tools must be a list of tool objects")
+    out = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, Mapping):
+            raise ChatError(f"{where} is not an object")
+        fn = tool.get("function", tool) if tool.get("type", "function") == "function" else None
+        if not isinstance(fn, Mapping):
+            raise ChatError(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ChatError(f"{where}: the function has no name")
+        out.append(dict(tool))
+    return out
+
+
+def _normalize_message(m: Any, where: str) -> dict[str, Any]:
+    if not isinstance(m, Mapping):
+        raise ChatError(f"{where} is not an object")
+    role = m.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ROLES:
+        raise ChatError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
+    content = _content(m.get("content"), where)
+    out: dict[str, Any] = {"role": role}
+    if role == "assistant":
+        reasoning = m.get("reasoning_content")
+        if reasoning is None:
+            reasoning = m.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ChatError(f"{where}: reasoning_content must be a string")
+        tool_calls = _tool_calls(m.get("tool_calls"), where)
+        if content is None and not tool_calls and reasoning is None:
+            raise ChatError(f"{where}: an assistant message needs content, reasoning_content "
+                            "or tool_calls")
+        out["content"] = content or ""
+        if reasoning is not None:
+            out["reasoning_content"] = reasoning
+        if tool_calls:
+            out["tool_calls"] = tool_calls
+    else:
+        if content is None:
+            raise ChatError(f"{where}: a {role} message needs content")
+        out["content"] = content
+        if role == "tool" and m.get("tool_call_id") is not None:
+            out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _content(content: Any, where: str) -> str | None:
+    """A string, or a list of text parts joined; None when missing."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, bytes):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise ChatError(f"{where}.content[{j}] is not a content part object")
+            kind = part.get("type")
+            if kind != "text":
+                raise ChatError(f"{where}.content[{j}]: content of type {kind!r} is not "
+                                "supported (only 'text')")
+            if not isinstance(part.get("text"), str):
+                raise ChatError(f"{where}.content[{j}]: a text part needs a string 'text'")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise ChatError(f"{where}: content must be a string or a list of text parts")
+
+
+def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    if tool_calls is None:
+        return []
+    if isinstance(tool_calls, (str, bytes, Mapping)) or not isinstance(tool_calls, Sequence):
+        raise ChatError(f"{where}: tool_calls must be a list")
+    out = []
+    for j, call in enumerate(tool_calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, Mapping):
+            raise ChatError(f"{at} is not an object")
+        if call.get("type", "function") != "function":
+            raise ChatError(f"{at}: type {call.get('type')!r} is not supported (only "
+                            "'function')")
+        fn = call.get("function")
+        if not isinstance(fn, Mapping):
+            raise ChatError(f"{at}: missing 'function' object")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise ChatError(f"{at}: the function has no name")
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": name, "arguments": _arguments(fn.get("arguments"), at)}})
+    return out
+
+
+def _arguments(arguments: Any, at: str) -> dict[str, Any]:
+    if isinstance(arguments, Mapping):
+        return dict(arguments)
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}  # some clients send "" for a call without arguments
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError as e:
+            raise ChatError(f"{at}: arguments are not valid JSON ({e}): "
+                            f"{_clip(arguments)!r}") from None
+        if isinstance(parsed, dict):
+            return parsed
+        raise ChatError(f"{at}: arguments must be a JSON object, got {type(parsed).__name__}")
+    raise ChatError(f"{at}: arguments must be a JSON object or a string holding one")
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def tojson(value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+           sort_keys: bool = False, ensure_ascii: bool = False) -> str:
+    """The template's tojson: Qwen's spelling (see the module doc), the signature of
+    transformers' chat-template filter. Jinja's own tojson sorts keys and escapes HTML."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatError(f"chat template does not compile: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing a generation
+
+
+class ParsedOutput(msgspec.Struct, frozen=True):
+    """A generation split for the API. ``tool_calls`` are OpenAI objects: ``{"id", "type":
+    "function", "function": {"name", "arguments": JSON string}}``."""
+
+    reasoning: str | None
+    content: str
+    tool_calls: list[dict[str, Any]]
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def parse_output(text: str, thinking: bool = True,
+                 make_id: Callable[[], str] = new_call_id) -> ParsedOutput:
+    """Split a whole generation. ``thinking``: the prompt ended with ``<think>\\n``, so the text
+    up to the first ``</think>`` is reasoning (all of it, when there is none: the generation
+    stopped while thinking). Reasoning that is empty is None."""
+    reasoning = None
+    body = text
+    if thinking:
+        head, sep, body = text.partition(THINK_CLOSE)
+        r = head.strip()
+        if r.startswith(THINK_OPEN):  # the model opened the block again
+            r = r[len(THINK_OPEN):].strip()
+        reasoning = r or None
+    content: list[str] = []
+    tool_calls: list[dict[str, Any]] = []
+    pos = 0
+    while True:
+        start = body.find(CALL_OPEN, pos)
+        if start < 0:
+            content.append(body[pos:])
+            break
+        content.append(body[pos:start])
+        end = body.find(CALL_CLOSE, start + len(CALL_OPEN))
+        if end < 0:  # unterminated: the generation stopped inside it
+            content.append(body[start:])
+            break
+        call = parse_tool_call(body[start + len(CALL_OPEN):end], make_id)
+        if call is None:
+            content.append(body[start:end + len(CALL_CLOSE)])
+        else:
+            tool_calls.append(call)
+        pos = end + len(CALL_CLOSE)
+    return ParsedOutput(reasoning, "".join(content).strip(), tool_calls)
+
+
+def parse_tool_call(block: str, make_id: Callable[[], str] = new_call_id,
+                    ) -> dict[str, Any] | None:
+    """The OpenAI tool call of the JSON between ``<tool_call>`` and ``</tool_call>``; None when
+    it is not ``{"name": str, "arguments": object}`` (arguments may also be a string holding a
+    JSON object, or missing)."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return {"id": make_id(), "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming
+
+
+class ReasoningDelta(msgspec.Struct, frozen=True, tag=True):
+    """More reasoning text (a ``reasoning_content`` delta)."""
+
+    text: str
+
+
+class ContentDelta(msgspec.Struct, frozen=True, tag=True):
+    """More answer text (a ``content`` delta)."""
+
+    text: str
+
+
+class ToolCallParsed(msgspec.Struct, frozen=True, tag=True):
+    """A whole tool call, the ``index``-th of the generation."""
+
+    index: int
+    tool_call: dict[str, Any]
+
+
+StreamEvent = ReasoningDelta | ContentDelta | ToolCallParsed
+
+
+def _partial_suffix(buf: str, tag: str) -> int:
+    """Length of the longest end of ``buf`` that is a proper beginning of ``tag``."""
+    for n in range(min(len(buf), len(tag) - 1), 0, -1):
+        if tag.startswith(buf[-n:]):
+            return n
+    return 0
+
+
+class _Stripped:
+    """Emits a stream of text as ``"".join(all).strip()`` would read: leading whitespace
+    dropped, trailing whitespace held until more text follows it."""
+
+    def __init__(self) -> None:
+        self._started = False
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        if not self._started:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._started = True
+        text = self._held + text
+        kept = text.rstrip()
+        self._held = text[len(kept):]
+        return kept
+
+
+class StreamParser:
+    """Text deltas in, :data:`StreamEvent` lists out; the same split as :func:`parse_output`.
+
+    The reasoning deltas joined equal ``parse_output(text).reasoning`` (or "" for None), the
+    content deltas joined equal its content, and the tool calls arrive whole, in order. A tag
+    that may still be forming is held back, never emitted as text.
+    """
+
+    def __init__(self, thinking: bool = True, make_id: Callable[[], str] = new_call_id) -> None:
+        self._make_id = make_id
+        self._phase = "head" if thinking else "content"  # head -> reasoning -> content <-> call
+        self._buf = ""
+        self._reasoning = _Stripped()
+        self._content = _Stripped()
+        self._num_calls = 0
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        self._buf += delta
+        events: list[StreamEvent] = []
+        self._scan(events)
+        return events
+
+    def finish(self) -> list[StreamEvent]:
+        """Events for what was held back, at the end of the generation."""
+        events: list[StreamEvent] = []
+        self._scan(events)
+        if self._phase == "head":
+            self._reason(events, self._buf.lstrip())
+        elif self._phase == "reasoning":
+            self._reason(events, self._buf)
+        elif self._phase == "content":
+            self._say(events, self._buf)
+        else:  # inside an unterminated tool call: it stays content
+            self._say(events, CALL_OPEN + self._buf)
+        self._buf = ""
+        return events
+
+    def _reason(self, events: list[StreamEvent], text: str) -> None:
+        out = self._reasoning.feed(text)
+        if out:
+            events.append(ReasoningDelta(out))
+
+    def _say(self, events: list[StreamEvent], text: str) -> None:
+        out = self._content.feed(text)
+        if out:
+            events.append(ContentDelta(out))
+
+    def _scan(self, events: list[StreamEvent]) -> None:
+        while True:
+            buf = self._buf
+            if self._phase == "head":
+                # is the reasoning opened by a (redundant) <think>? wait until it is known
+                s = buf.lstrip()
+                if not s or (len(s) < len(THINK_OPEN) and THINK_OPEN.startswith(s)):
+                    return
+                self._buf = s[len(THINK_OPEN):] if s.startswith(THINK_OPEN) else s
+                self._phase = "reasoning"
+            elif self._phase == "reasoning":
+                end = buf.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _partial_suffix(buf, THINK_CLOSE)
+                    self._reason(events, buf[:len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    return
+                self._reason(events, buf[:end])
+                self._buf = buf[end + len(THINK_CLOSE):]
+                self._phase = "content"
+            elif self._phase == "content":
+                start = buf.find(CALL_OPEN)
+                if start < 0:
+                    keep = _partial_suffix(buf, CALL_OPEN)
+                    self._say(events, buf[:len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    return
+                self._say(events, buf[:start])
+                self._buf = buf[start + len(CALL_OPEN):]
+                self._phase = "call"
+            else:  # "call": the text after <tool_call>
+                end = buf.find(CALL_CLOSE)
+                if end < 0:
+                    return
+                call = parse_tool_call(buf[:end], self._make_id)
+                if call is None:
+                    self._say(events, CALL_OPEN + buf[:end + len(CALL_CLOSE)])
+                else:
+                    events.append(ToolCallParsed(self._num_calls, call))
+                    self._num_calls += 1
+                self._buf = buf[end + len(CALL_CLOSE):]
+                self._phase = "content"
+
+
+def collect(events: Sequence[StreamEvent]) -> ParsedOutput:
+    """The ParsedOutput that a list of stream events adds up to."""
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls = [e.tool_call for e in events if isinstance(e, ToolCallParsed)]
+    return ParsedOutput(reasoning or None, content, calls)
