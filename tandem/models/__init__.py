@@ -1,0 +1,52 @@
+"""Model adapters and the one function that turns ``--model tiny|DIR`` into a loaded model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandem.models.base import ModelError
+
+
+@dataclass
+class LoadedModel:
+    model: object  # a tandem.models.base.Model
+    tokenizer: object | None  # a tandem.models.tokenizer.Tokenizer, None for a bare checkpoint
+    path: Path
+    name: str  # what /v1/models lists
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype | None:
+    """``auto`` is fp32 on a CPU (bf16 products run a hundred times slower there) and the
+    checkpoint's own dtype on a GPU."""
+    if name == "auto":
+        return None if torch.cuda.is_available() else torch.float32
+    if name not in _DTYPES:
+        raise ModelError(f"unknown dtype {name!r}; use auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def load_model(spec: str, models_dir: Path, dtype: str = "auto") -> LoadedModel:
+    """``tiny`` (written under ``models_dir`` on first use) or a checkpoint directory."""
+    from tandem.models.hybrid import HybridModel
+    from tandem.models.tiny import TINY_NAME, ensure_tiny
+
+    if spec == TINY_NAME:
+        path, name = ensure_tiny(Path(models_dir)), TINY_NAME
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_dir():
+            raise ModelError(f"model {spec!r} is neither 'tiny' nor a checkpoint directory")
+        name = path.name
+    model = HybridModel.load(path, dtype=resolve_dtype(dtype))
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer.tiktoken").is_file():
+        from tandem.models.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name)

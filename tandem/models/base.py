@@ -1,0 +1,115 @@
+"""The model adapter interface: the only way cache code reads a sequence.
+
+A model names its recurrent *sections* (tensors whose whole content is the state after the last
+token, e.g. ``gdn.S`` and ``gdn.conv``) and its position-indexed *views* (tensors with a token
+axis, e.g. ``K`` and ``V``). A cache copies sections whole and views by rows along their token
+axis; it never knows which model it holds (spec: "The caches know no model").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class ModelError(ValueError):
+    """A checkpoint or a request the model cannot take; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class View:
+    """A position-indexed buffer: ``tensor.select(token_axis, i)`` is row i of the sequence."""
+
+    tensor: torch.Tensor
+    token_axis: int
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.tensor.narrow(self.token_axis, start, stop - start)
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The live buffers of one sequence, in the state's order. Owned by the engine."""
+
+    sections: dict[str, torch.Tensor]
+    views: dict[str, View]
+
+    def section_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sections.values())
+
+    def row_nbytes(self) -> int:
+        """Bytes of one token's rows over every view."""
+        total = 0
+        for view in self.views.values():
+            t = view.tensor
+            total += t.numel() // t.shape[view.token_axis] * t.element_size()
+        return total
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the budgets count, in bytes (spec: eng.cost())."""
+
+    state_nbytes: int  # every section, whatever the length
+    row_nbytes: int  # every view, one token
+    workspace_floor_nbytes: int  # a prefill's transient memory: floor + per token, capped
+    workspace_per_token_nbytes: int
+    workspace_cap_nbytes: int
+
+    def workspace_nbytes(self, num_tokens: int) -> int:
+        return min(self.workspace_cap_nbytes,
+                   self.workspace_floor_nbytes + self.workspace_per_token_nbytes * num_tokens)
+
+    def snapshot_nbytes(self, num_tokens: int) -> int:
+        return self.state_nbytes + self.row_nbytes * num_tokens
+
+
+@dataclass
+class ModelState:
+    """Buffers a model forwards into: sections and views, allocated once for ``window`` rows."""
+
+    sections: dict[str, torch.Tensor]
+    views: dict[str, View]
+    extra: dict[str, object] = field(default_factory=dict)
+
+    def zero_(self) -> None:
+        for t in self.sections.values():
+            t.zero_()
+
+
+class Model(Protocol):
+    """What the engine needs of a model. The hybrid adapter and the test-only third architecture
+    both implement it; the engine and every cache are written against it alone."""
+
+    model_type: str
+    vocab_size: int
+    dtype: torch.dtype
+
+    def new_state(self, window: int) -> ModelState: ...
+
+    def forward(self, state: ModelState, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Forward ``token_ids`` at positions ``start..start+len`` over rows ``0..start`` already
+        in ``state``; write their rows and advance the sections. Returns the last position's
+        logits in fp32 ``[vocab]``."""
+        ...
+
+    def cost(self, window: int) -> Cost: ...
+
+    def manifest(self) -> dict[str, str]:
+        """What computes the stored rows: names to digests (weights, config, code)."""
+        ...
+
+
+def digest_tensors(named: dict[str, torch.Tensor]) -> str:
+    """A sha256 over names, shapes, dtypes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(named):
+        t = named[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(str(t.dtype).encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,427 @@
+"""The ``hybrid`` adapter: Qwen3.5 (dense) and Qwen3-Next (MoE) checkpoints.
+
+Gated DeltaNet layers (recurrent state ``gdn.S`` in fp32 and a conv tail ``gdn.conv``) beside
+gated full-attention layers (views ``K`` and ``V``, one row a token). Weights are plain tensors
+applied with ``F.linear`` in the checkpoint's own row order; the math follows transformers'
+modeling_qwen3_5 / modeling_qwen3_next, which the tests hold it to within 1e-5 in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tandem import kernels
+from tandem.models import checkpoint
+from tandem.models.base import Cost, ModelError, ModelState, View
+
+SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    rms_norm_eps: float
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    tie_word_embeddings: bool
+    dtype: str
+    # Qwen3-Next's mixture of experts (num_experts 0 for a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "HybridConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED:
+            raise ModelError(f"unknown model type {model_type!r}; the hybrid adapter reads "
+                             f"{', '.join(SUPPORTED)}")
+        text = raw.get("text_config") if model_type == "qwen3_5" else None
+        # A real Qwen3.5 checkpoint nests the language model in text_config.
+        cfg = dict(text) if isinstance(text, dict) else dict(raw)
+        try:
+            num_layers = int(cfg["num_hidden_layers"])
+            layer_types = cfg.get("layer_types")
+            if layer_types is None:
+                interval = int(cfg.get("full_attention_interval", 4))
+                layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(num_layers)]
+            if len(layer_types) < num_layers or any(
+                    t not in ("linear_attention", "full_attention") for t in layer_types):
+                raise ModelError(f"layer_types {layer_types!r} do not describe {num_layers} layers")
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            heads = int(cfg["num_attention_heads"])
+            out = cls(
+                model_type=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                intermediate_size=int(cfg.get("intermediate_size", 0)),
+                layer_types=tuple(layer_types[:num_layers]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg["num_key_value_heads"]),
+                head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                partial_rotary_factor=float(rope.get("partial_rotary_factor",
+                                                     cfg.get("partial_rotary_factor", 1.0))),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+                linear_key_head_dim=int(cfg["linear_key_head_dim"]),
+                linear_value_head_dim=int(cfg["linear_value_head_dim"]),
+                linear_num_key_heads=int(cfg["linear_num_key_heads"]),
+                linear_num_value_heads=int(cfg["linear_num_value_heads"]),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings",
+                                                 cfg.get("tie_word_embeddings", False))),
+                dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or raw.get("dtype")
+                          or "float32"),
+                num_experts=int(cfg.get("num_experts", 0)) if model_type == "qwen3_next" else 0,
+                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
+                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
+                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
+                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+            )
+        except KeyError as exc:
+            raise ModelError(f"config.json lacks {exc.args[0]!r}") from exc
+        if out.linear_num_value_heads % out.linear_num_key_heads:
+            raise ModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        return out
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ModelError(f"unsupported dtype {name!r}; use one of {sorted(table)}")
+    return table[name]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: x_hat * (1 + w), computed in fp32."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float):
+    """The GDN output norm: x_hat * w * silu(z)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf.to(dtype) * F.silu(gate.float())).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class HybridModel:
+    """A Qwen3.5 / Qwen3-Next language model over one sequence's preallocated buffers."""
+
+    def __init__(self, config: HybridConfig, weights: dict[str, torch.Tensor],
+                 dtype: torch.dtype | None = None, source: Path | None = None):
+        self.config = config
+        self.model_type = config.model_type
+        self.vocab_size = config.vocab_size
+        self.dtype = dtype or _dtype(config.dtype)
+        self.source = source
+        self._weights_digest = checkpoint.weights_digest(source) if source else ""
+        self.gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+        self.attn_layers = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+        self._slot = {i: n for n, i in enumerate(self.gdn_layers)}
+        self._slot.update({i: n for n, i in enumerate(self.attn_layers)})
+        self.w = self._check_and_cast(weights)
+        inv = torch.arange(0, config.rotary_dim, 2, dtype=torch.float32) / config.rotary_dim
+        self.inv_freq = 1.0 / (config.rope_theta ** inv)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype | None = None) -> "HybridModel":
+        model_dir = Path(model_dir)
+        config = HybridConfig.from_dict(checkpoint.read_config(model_dir))
+        # Real Qwen3.5 checkpoints name the language model model.language_model.*
+        weights = checkpoint.load_tensors(model_dir, prefixes=("model.language_model.", "model.",
+                                                               "lm_head."))
+        if "weight" in weights:  # "lm_head.weight" with its prefix stripped
+            weights["lm_head.weight"] = weights.pop("weight")
+        return cls(config, weights, dtype=dtype, source=model_dir)
+
+    def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        c = self.config
+        h = c.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (c.vocab_size, h),
+                                              "norm.weight": (h,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        ratio = c.linear_num_value_heads // c.linear_num_key_heads
+        for i, kind in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            if kind == "linear_attention":
+                a = p + "linear_attn."
+                if c.model_type == "qwen3_next":
+                    per_head = 2 * c.linear_key_head_dim + 2 * ratio * c.linear_value_head_dim
+                    shapes[a + "in_proj_qkvz.weight"] = (c.linear_num_key_heads * per_head, h)
+                    shapes[a + "in_proj_ba.weight"] = (2 * c.linear_num_value_heads, h)
+                else:
+                    shapes[a + "in_proj_qkv.weight"] = (c.conv_dim, h)
+                    shapes[a + "in_proj_z.weight"] = (c.value_dim, h)
+                    shapes[a + "in_proj_b.weight"] = (c.linear_num_value_heads, h)
+                    shapes[a + "in_proj_a.weight"] = (c.linear_num_value_heads, h)
+                shapes[a + "conv1d.weight"] = (c.conv_dim, 1, c.linear_conv_kernel_dim)
+                shapes[a + "dt_bias"] = (c.linear_num_value_heads,)
+                shapes[a + "A_log"] = (c.linear_num_value_heads,)
+                shapes[a + "norm.weight"] = (c.linear_value_head_dim,)
+                shapes[a + "out_proj.weight"] = (h, c.value_dim)
+            else:
+                a = p + "self_attn."
+                shapes[a + "q_proj.weight"] = (2 * c.num_attention_heads * c.head_dim, h)
+                shapes[a + "k_proj.weight"] = (c.num_key_value_heads * c.head_dim, h)
+                shapes[a + "v_proj.weight"] = (c.num_key_value_heads * c.head_dim, h)
+                shapes[a + "o_proj.weight"] = (h, c.num_attention_heads * c.head_dim)
+                shapes[a + "q_norm.weight"] = (c.head_dim,)
+                shapes[a + "k_norm.weight"] = (c.head_dim,)
+            m = p + "mlp."
+            if c.is_moe_layer(i):
+                shapes[m + "gate.weight"] = (c.num_experts, h)
+                for e in range(c.num_experts):
+                    shapes[f"{m}experts.{e}.gate_proj.weight"] = (c.moe_intermediate_size, h)
+                    shapes[f"{m}experts.{e}.up_proj.weight"] = (c.moe_intermediate_size, h)
+                    shapes[f"{m}experts.{e}.down_proj.weight"] = (h, c.moe_intermediate_size)
+                si = c.shared_expert_intermediate_size
+                shapes[m + "shared_expert.gate_proj.weight"] = (si, h)
+                shapes[m + "shared_expert.up_proj.weight"] = (si, h)
+                shapes[m + "shared_expert.down_proj.weight"] = (h, si)
+                shapes[m + "shared_expert_gate.weight"] = (1, h)
+            else:
+                shapes[m + "gate_proj.weight"] = (c.intermediate_size, h)
+                shapes[m + "up_proj.weight"] = (c.intermediate_size, h)
+                shapes[m + "down_proj.weight"] = (h, c.intermediate_size)
+        return shapes
+
+    def _check_and_cast(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        weights = dict(weights)
+        c = self.config
+        # transformers keeps experts fused in memory; a checkpoint may store them so.
+        for i in range(len(c.layer_types)):
+            m = f"layers.{i}.mlp.experts."
+            if m + "gate_up_proj" in weights:
+                gate_up, down = weights.pop(m + "gate_up_proj"), weights.pop(m + "down_proj")
+                for e in range(gate_up.shape[0]):
+                    g, u = gate_up[e].chunk(2, dim=0)
+                    weights[f"{m}{e}.gate_proj.weight"] = g
+                    weights[f"{m}{e}.up_proj.weight"] = u
+                    weights[f"{m}{e}.down_proj.weight"] = down[e]
+        out = {}
+        for name, shape in self._expected_shapes().items():
+            t = weights.get(name)
+            if t is None:
+                raise ModelError(f"checkpoint lacks tensor {name!r}")
+            if tuple(t.shape) != shape:
+                raise ModelError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+            # A_log and dt_bias are cast too, as transformers does: the decay math then upcasts.
+            out[name] = t.to(self.dtype).contiguous()
+        if c.tie_word_embeddings:
+            out["lm_head.weight"] = out["embed_tokens.weight"]
+        return out
+
+    # -- state -----------------------------------------------------------------------------
+
+    def new_state(self, window: int) -> ModelState:
+        c = self.config
+        s = torch.zeros(len(self.gdn_layers), c.linear_num_value_heads, c.linear_key_head_dim,
+                        c.linear_value_head_dim, dtype=torch.float32)
+        conv = torch.zeros(len(self.gdn_layers), c.conv_dim, c.linear_conv_kernel_dim - 1,
+                           dtype=self.dtype)
+        kv_shape = (len(self.attn_layers), c.num_key_value_heads, window, c.head_dim)
+        k = torch.zeros(kv_shape, dtype=self.dtype)
+        v = torch.zeros(kv_shape, dtype=self.dtype)
+        return ModelState(sections={"gdn.S": s, "gdn.conv": conv},
+                          views={"K": View(k, 2), "V": View(v, 2)})
+
+    def cost(self, window: int, prefix_chunk: int = 1024) -> Cost:
+        c = self.config
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        state = (len(self.gdn_layers) * c.linear_num_value_heads * c.linear_key_head_dim
+                 * c.linear_value_head_dim * 4
+                 + len(self.gdn_layers) * c.conv_dim * (c.linear_conv_kernel_dim - 1) * el)
+        row = 2 * len(self.attn_layers) * c.num_key_value_heads * c.head_dim * el
+        inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1),
+                    c.shared_expert_intermediate_size)
+        # Activations of one chunk token: residual, norms, projections, MLP (fp32 upper bound).
+        per_token = 4 * (8 * c.hidden_size + 3 * inter + 3 * c.conv_dim + 2 * c.value_dim)
+        # Attention scores of a chunk against the whole window, the largest single buffer.
+        scores = 4 * c.num_attention_heads * prefix_chunk * window
+        floor = 32 << 20
+        return Cost(state_nbytes=state, row_nbytes=row, workspace_floor_nbytes=floor,
+                    workspace_per_token_nbytes=per_token,
+                    workspace_cap_nbytes=floor + per_token * prefix_chunk + scores)
+
+    def manifest(self) -> dict[str, str]:
+        from tandem.kernels import reference
+        return {
+            "model_type": self.model_type,
+            "config": json.dumps(self.config.__dict__, sort_keys=True, default=list),
+            "dtype": str(self.dtype),
+            "weights": self._weights_digest,
+            "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), reference),
+        }
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _rope(self, start: int, num_tokens: int):
+        pos = torch.arange(start, start + num_tokens, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
+                decode: bool = False) -> torch.Tensor:
+        c = self.config
+        num_tokens = token_ids.shape[0]
+        x = F.embedding(token_ids, self.w["embed_tokens.weight"])
+        cos, sin = self._rope(start, num_tokens)
+        for i, kind in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            if kind == "linear_attention":
+                h = self._gdn(i, h, state, decode)
+            else:
+                h = self._attention(i, h, state, start, cos, sin)
+            x = x + h
+            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            x = x + (self._moe(i, h) if c.is_moe_layer(i) else self._mlp(p + "mlp.", h))
+        last = rms_norm(x[-1:], self.w["norm.weight"], c.rms_norm_eps)
+        return F.linear(last, self.w["lm_head.weight"]).float()[0]
+
+    def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        return F.linear(F.silu(F.linear(h, w[p + "gate_proj.weight"]))
+                        * F.linear(h, w[p + "up_proj.weight"]), w[p + "down_proj.weight"])
+
+    def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"layers.{i}.mlp."
+        logits = F.linear(h, w[p + "gate.weight"])
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_w, top_i = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w = top_w.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in torch.unique(top_i).tolist():
+            rows, slot = torch.where(top_i == e)
+            y = self._mlp(f"{p}experts.{e}.", h[rows]) * top_w[rows, slot, None]
+            out.index_add_(0, rows, y)
+        shared = self._mlp(p + "shared_expert.", h)
+        return out + torch.sigmoid(F.linear(h, w[p + "shared_expert_gate.weight"])) * shared
+
+    def _gdn(self, i: int, h: torch.Tensor, state: ModelState, decode: bool) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"layers.{i}.linear_attn."
+        slot = self._slot[i]
+        n = h.shape[0]
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        if c.model_type == "qwen3_next":
+            # Fused projections grouped per key head: [q, k, v, z] and [b, a] for each group.
+            ratio = hv // hk
+            qkvz = F.linear(h, w[p + "in_proj_qkvz.weight"]).view(n, hk, -1)
+            q, k, v, z = torch.split(qkvz, [dk, dk, ratio * dv, ratio * dv], dim=-1)
+            mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+            z = z.reshape(n, hv, dv)
+            ba = F.linear(h, w[p + "in_proj_ba.weight"]).view(n, hk, 2 * ratio)
+            b, a = torch.split(ba, [ratio, ratio], dim=-1)
+            b, a = b.reshape(n, hv), a.reshape(n, hv)
+        else:
+            mixed = F.linear(h, w[p + "in_proj_qkv.weight"])
+            z = F.linear(h, w[p + "in_proj_z.weight"]).view(n, hv, dv)
+            b = F.linear(h, w[p + "in_proj_b.weight"])
+            a = F.linear(h, w[p + "in_proj_a.weight"])
+        conv_w = w[p + "conv1d.weight"][:, 0, :]
+        mixed = kernels.causal_conv1d(mixed, state.sections["gdn.conv"][slot], conv_w)
+        q, k, v = torch.split(mixed, [c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
+        beta = torch.sigmoid(b)
+        g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"])
+        s = state.sections["gdn.S"][slot]
+        if decode:
+            o = kernels.recurrent_gated_delta_step(q, k, v, g, beta, s)
+        else:
+            o = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s)
+        o = gated_rms_norm(o, z, w[p + "norm.weight"], c.rms_norm_eps)
+        return F.linear(o.reshape(n, -1), w[p + "out_proj.weight"])
+
+    def _attention(self, i: int, h: torch.Tensor, state: ModelState, start: int,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"layers.{i}.self_attn."
+        slot = self._slot[i]
+        n, hd = h.shape[0], c.head_dim
+        nh, nkv = c.num_attention_heads, c.num_key_value_heads
+        qg = F.linear(h, w[p + "q_proj.weight"]).view(n, nh, 2 * hd)
+        q, gate = torch.chunk(qg, 2, dim=-1)
+        gate = gate.reshape(n, nh * hd)
+        q = rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps)
+        k = rms_norm(F.linear(h, w[p + "k_proj.weight"]).view(n, nkv, hd),
+                     w[p + "k_norm.weight"], c.rms_norm_eps)
+        v = F.linear(h, w[p + "v_proj.weight"]).view(n, nkv, hd)
+        rd = c.rotary_dim
+        cs, sn = cos[:, None, :], sin[:, None, :]
+        q = torch.cat([q[..., :rd] * cs + rotate_half(q[..., :rd]) * sn, q[..., rd:]], dim=-1)
+        k = torch.cat([k[..., :rd] * cs + rotate_half(k[..., :rd]) * sn, k[..., rd:]], dim=-1)
+        kbuf, vbuf = state.views["K"].tensor[slot], state.views["V"].tensor[slot]
+        end = start + n
+        kbuf[:, start:end] = k.transpose(0, 1)
+        vbuf[:, start:end] = v.transpose(0, 1)
+        # Chunk k attends over keys [0, end): the same shapes whether the rows below start were
+        # computed now or restored from a cache. A decode token sees every key: no mask.
+        keys, values = kbuf[:, :end], vbuf[:, :end]
+        mask = None
+        if n > 1:
+            mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+        out = out[0].transpose(0, 1).reshape(n, nh * hd)
+        out = out * torch.sigmoid(gate)
+        return F.linear(out, w[p + "o_proj.weight"])

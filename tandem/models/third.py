@@ -1,0 +1,78 @@
+"""A made-up third architecture, for tests only (spec: test_cache_any_model).
+
+Two sections and three views whose shapes and token axes differ from the hybrid model's, so a
+cache module that assumed ``gdn.S`` or a token axis of 2 would fail here:
+
+- sections ``rnn.h`` [hidden] (a decaying recurrent sum) and ``mix.m`` [2, hidden, 3] (a running
+  outer summary), both fp32;
+- views ``keys`` [window, hidden] (token axis 0), ``vals`` [heads, window, head_dim] (axis 1) and
+  ``gate`` [4, window] (axis 1).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tandem.models.base import Cost, ModelState, View, digest_tensors
+
+
+class ThirdModel:
+    model_type = "third"
+
+    def __init__(self, vocab_size: int = 97, hidden: int = 24, heads: int = 3, seed: int = 0,
+                 dtype: torch.dtype = torch.float32):
+        self.vocab_size = vocab_size
+        self.dtype = dtype
+        self.hidden, self.heads = hidden, heads
+        self.head_dim = hidden // heads
+        gen = torch.Generator().manual_seed(seed)
+
+        def rand(*shape, scale=0.3):
+            return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+        self.w = {"emb": rand(vocab_size, hidden, scale=1.0), "wk": rand(hidden, hidden),
+                  "wv": rand(hidden, hidden), "wq": rand(hidden, hidden), "wg": rand(4, hidden),
+                  "wh": rand(hidden, hidden), "wm": rand(3, hidden), "out": rand(vocab_size, hidden)}
+
+    def new_state(self, window: int) -> ModelState:
+        d = self.hidden
+        return ModelState(
+            sections={"rnn.h": torch.zeros(d), "mix.m": torch.zeros(2, d, 3)},
+            views={"keys": View(torch.zeros(window, d, dtype=self.dtype), 0),
+                   "vals": View(torch.zeros(self.heads, window, self.head_dim, dtype=self.dtype), 1),
+                   "gate": View(torch.zeros(4, window, dtype=self.dtype), 1)})
+
+    def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
+                decode: bool = False) -> torch.Tensor:
+        w = self.w
+        n = token_ids.shape[0]
+        end = start + n
+        x = F.embedding(token_ids, w["emb"])
+        keys, vals, gate = (state.views[k].tensor for k in ("keys", "vals", "gate"))
+        keys[start:end] = torch.tanh(F.linear(x, w["wk"]))
+        vals[:, start:end] = F.linear(x, w["wv"]).view(n, self.heads, self.head_dim).transpose(0, 1)
+        gate[:, start:end] = torch.sigmoid(F.linear(x, w["wg"])).T
+        q = F.linear(x, w["wq"])
+        scores = (q @ keys[:end].T) * gate[0, :end]
+        mask = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
+        probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1)
+        attn = torch.einsum("ts,hsd->thd", probs.to(self.dtype), vals[:, :end]).reshape(n, -1)
+        h, m = state.sections["rnn.h"], state.sections["mix.m"]
+        drive = F.linear(x, w["wh"]).float()
+        mix = F.linear(x, w["wm"]).float()
+        for t in range(n):  # the recurrence, token by token
+            h.mul_(0.9).add_(torch.tanh(drive[t]))
+            m[0].mul_(0.8).add_(torch.outer(torch.tanh(h), torch.tanh(mix[t])) * 0.1)
+            m[1].copy_(torch.tanh(m[0] + m[1] * 0.5))
+        last = attn[-1].float() + h + m[1].sum(-1)
+        return F.linear(last.to(self.dtype), w["out"]).float()
+
+    def cost(self, window: int, prefix_chunk: int = 1024) -> Cost:
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        row = (self.hidden + self.hidden + 4) * el
+        state = (self.hidden + 2 * self.hidden * 3) * 4
+        return Cost(state, row, 1 << 20, 16 * self.hidden * 4, (1 << 20) + 4 * prefix_chunk * window)
+
+    def manifest(self) -> dict[str, str]:
+        return {"model_type": self.model_type, "weights": digest_tensors(self.w)}

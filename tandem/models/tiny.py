@@ -1,0 +1,121 @@
+"""The embedded default model ``tiny``: a small Qwen3.5-layout checkpoint tandem writes itself.
+
+It is an ordinary checkpoint directory (config.json, model.safetensors, the Qwen3.5/3.6 tokenizer
+and tandem's chat template), drawn from a fixed seed, so the default goes through the same loader
+as a real checkpoint and is the same on every machine. Sized so that a cold 32k prefill takes
+several seconds on 2 cores (the caches have something to save) and a few hundred tokens well
+under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors.torch import save_file
+
+TINY_NAME = "tiny"
+TINY_VERSION = 1  # bump when the recipe changes: the folder name carries it
+TINY_SEED = 20261129
+VOCAB_SIZE = 248320  # Qwen3.5's padded vocabulary: 248,044 ranks + specials, rounded up
+
+TINY_CONFIG = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25},
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "dtype": "float32",
+    "eos_token_id": 248046,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
+
+log = structlog.get_logger()
+
+
+def _weights(config: dict) -> dict[str, torch.Tensor]:
+    """Every tensor drawn in name order from one seeded generator."""
+    from tandem.models.hybrid import HybridConfig, HybridModel
+
+    cfg = HybridConfig.from_dict(config)
+    shapes = HybridModel._expected_shapes(type("S", (), {"config": cfg})())
+    gen = torch.Generator().manual_seed(TINY_SEED)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("A_log"):
+            out[name] = torch.log(torch.rand(shape, generator=gen) * 8 + 0.5)
+        elif name.endswith("dt_bias"):
+            out[name] = torch.randn(shape, generator=gen) * 0.5
+        elif name.endswith("linear_attn.norm.weight"):
+            out[name] = 1.0 + torch.randn(shape, generator=gen) * 0.1
+        elif name == "norm.weight":
+            # Embeddings are tied and small (below), so the final norm's gain sets the logits'
+            # spread: about 5 standard deviations.
+            out[name] = 4.0 + torch.randn(shape, generator=gen) * 0.1
+        elif len(shape) == 1:  # zero-centred RMSNorm weights: x_hat * (1 + w)
+            out[name] = torch.randn(shape, generator=gen) * 0.1
+        else:
+            fan_in = shape[-1]
+            # A tied embedding as large as the layers' outputs makes greedy decoding repeat its
+            # input token forever; at 0.05 the context decides.
+            scale = 0.05 if name == "embed_tokens.weight" else fan_in ** -0.5
+            out[name] = torch.randn(shape, generator=gen) * scale
+    return {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in out.items()}
+
+
+def tiny_dir(models_dir: Path) -> Path:
+    return Path(models_dir) / f"{TINY_NAME}-v{TINY_VERSION}"
+
+
+def ensure_tiny(models_dir: Path) -> Path:
+    """The tiny checkpoint's folder, written on first use (atomically: a temp folder renamed)."""
+    final = tiny_dir(models_dir)
+    if (final / "model.safetensors").is_file() and (final / "tandem-tiny.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=final.parent))
+    try:
+        from tandem.models.tokenizer import write_qwen_tokenizer
+
+        (tmp / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
+        weights = _weights(TINY_CONFIG)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_qwen_tokenizer(tmp)
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": [248046, 248044], "do_sample": False}, indent=2))
+        digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+        (tmp / "tandem-tiny.json").write_text(json.dumps(
+            {"version": TINY_VERSION, "seed": TINY_SEED, "weights_sha256": digest}, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        log.info("tiny_model_written", path=str(final), weights_sha256=digest[:16])
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

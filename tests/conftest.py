@@ -1,0 +1,26 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from oracle import make_qwen3_5, make_qwen3_next  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    """The bit-exact gate holds at one thread count; every test runs at the same one."""
+    torch.set_num_threads(2)
+    yield
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tmp_path_factory) -> Path:
+    return make_qwen3_5(tmp_path_factory.mktemp("qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory) -> Path:
+    return make_qwen3_next(tmp_path_factory.mktemp("qwen3_next"))

@@ -1,0 +1,59 @@
+"""The embedded default: written once through the ordinary loader path, the same every time."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.models import load_model
+from tandem.models.tiny import ensure_tiny
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("home")
+
+
+def test_tiny_is_an_ordinary_checkpoint_folder_written_once(home):
+    path = ensure_tiny(home / "models")
+    for name in ("config.json", "model.safetensors", "tokenizer.tiktoken", "tokenizer_config.json"):
+        assert (path / name).is_file(), name
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_tiny(home / "models") == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+    loaded = load_model("tiny", home / "models")
+    assert loaded.tokenizer.special_ids["<|im_start|>"] == 248045
+    assert "<|im_start|>" in json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_two_writes_give_the_same_weights(home, tmp_path):
+    a = json.loads((ensure_tiny(home / "models") / "tandem-tiny.json").read_text())
+    b = json.loads((ensure_tiny(tmp_path / "other") / "tandem-tiny.json").read_text())
+    assert a["weights_sha256"] == b["weights_sha256"]
+
+
+def test_tandem_generate_json_prints_one_object_with_its_timings(home):
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem", "generate", "--home", str(home), "--max-tokens", "6",
+         "--prompt", "Name three colours.", "--json"],
+        capture_output=True, text=True, timeout=120, check=True)
+    doc = json.loads(out.stdout)
+    assert doc["completion_tokens"] == len(doc["token_ids"]) == 6
+    assert doc["prompt_tokens"] > 10 and doc["prefill_ms"] > 0 and doc["decode_tok_s"] > 0
+    assert isinstance(doc["text"], str)
+    # Greedy is the default: the same command gives the same tokens.
+    again = subprocess.run(
+        [sys.executable, "-m", "tandem", "generate", "--home", str(home), "--max-tokens", "6",
+         "--prompt", "Name three colours.", "--json"],
+        capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(again.stdout)["token_ids"] == doc["token_ids"]
+
+
+def test_tandem_generate_names_a_bad_model_folder(home, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "tandem", "generate", "--home", str(home),
+                          "--model", str(tmp_path / "missing")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert "neither 'tiny' nor a checkpoint directory" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,82 @@
+"""Tiny random checkpoints made by transformers, the oracle (a test-only dependency).
+
+Random models from ``from_config`` have trivial 1-D parameters (norm weights of zero, A_log and
+dt_bias constant), so noise is added to them, or greedy decoding repeats one token and a
+comparison proves little (NOTES.md). Weights are drawn with initializer_range 0.1: at 0.15 the
+state grows sensitive enough that fp32 rounding alone moves some logits past 1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+
+def _common(**overrides):
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    )
+    cfg.update(overrides)
+    return cfg
+
+
+def _perturb(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 4 + 0.5))
+
+
+def make_qwen3_5(path: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(**_common(**overrides))
+    model = Qwen3_5ForCausalLM(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def make_qwen3_next(path: Path, seed: int = 0, **overrides) -> Path:
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    base = _common(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                   shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True,
+                   mlp_only_layers=[1])
+    base.update(overrides)
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(**base)
+    model = Qwen3NextForCausalLM(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
+def load_oracle(path: Path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
