@@ -1,0 +1,24 @@
+"""Typed keys of the aiohttp application's state, shared by the routes and the console.
+
+- SUPERVISOR: the tandem.actors.Supervisor that owns every actor (its ``graph()`` and
+  ``statistics()`` feed /v1/actors and the console).
+- ENGINE: the engine actor; ``snapshot() -> dict`` gives rows_in_place, window, prefix_chunk,
+  num_threads, taint and the current request (id, phase, prompt_tokens, generated) or None.
+- JOURNAL: the journal; ``tail(n) -> list[dict]`` gives its last rows, newest last.
+- CONFIG: the tandem.config.Config the server runs with.
+- MODEL_NAME: the id /v1/models lists.
+- CACHE_STATS: a callable returning the /v1/cache/stats document (tiers, each with counters).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from aiohttp import web
+
+SUPERVISOR: web.AppKey[Any] = web.AppKey("supervisor", object)
+ENGINE: web.AppKey[Any] = web.AppKey("engine", object)
+JOURNAL: web.AppKey[Any] = web.AppKey("journal", object)
+CONFIG: web.AppKey[Any] = web.AppKey("config", object)
+MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
+CACHE_STATS: web.AppKey[Callable[[], dict]] = web.AppKey("cache_stats", object)
