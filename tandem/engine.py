@@ -219,12 +219,14 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], bool] | None = None,
-                 should_cancel: Callable[[], bool] | None = None) -> GenerationResult:
+                 should_cancel: Callable[[], bool] | None = None,
+                 on_chunk: Callable[[int], None] | None = None) -> GenerationResult:
         """Prefill the prompt (resuming over the rows in place it shares), then decode.
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
-        string); ``should_cancel()`` is polled between tokens. The last sampled token is never
-        forwarded: the rows end one short of prompt + output, as every engine's do.
+        string); ``should_cancel()`` is polled between tokens; ``on_chunk`` as for prefill.
+        The last sampled token is never forwarded: the rows end one short of prompt + output,
+        as every engine's do.
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
@@ -237,7 +239,7 @@ class Engine:
             reuse = 0
         self.resume_at(reuse)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids)
+        logits = self.prefill(prompt_ids, on_chunk=on_chunk)
         t1 = time.perf_counter()
         sampler = Sampler(params)
         out: list[int] = []

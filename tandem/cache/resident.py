@@ -1,0 +1,545 @@
+"""The resident prefix: grid anchors, the end anchor, the guest stash, the pinned head and the
+parked session, over the engine's one sequence (spec: "Resident prefix", "After a long
+generation", "A guest keeps no end anchor").
+
+Pure logic, no asyncio and no clock: the engine actor calls ``begin`` before a generation (it
+restores state and puts the engine where the prefill resumes), ``on_chunk`` after each prefill
+chunk, and ``finish`` after the generation. Every copy goes through the adapter's
+``cache_state()`` and is reserved with the memory accountant at its level before it is made.
+
+Exactness: a resume at a grid anchor at or below ``taint`` is a cold grid prefill's, bit for bit;
+a resume at the end anchor (or an anchor above taint) holds the greedy gate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import structlog
+
+from tandem.cache.copies import RowsCopy, SectionsCopy
+from tandem.cache.memory import MemoryAccountant
+from tandem.models.base import CacheState
+
+log = structlog.get_logger()
+
+
+class SequenceEngine(Protocol):
+    """What the resident prefix needs of the engine (tandem.engine.Engine)."""
+
+    token_ids: list[int]
+    taint: int | None
+    prefix_chunk: int
+    window: int
+
+    @property
+    def length(self) -> int: ...
+
+    def cache_state(self) -> CacheState: ...
+
+    def settle(self) -> None: ...
+
+    def resume_at(self, n: int, token_ids: Sequence[int] | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a request's prefill starts and what served the rows below it."""
+
+    start: int  # rows in place the prefill resumes at, in the served prompt's positions
+    source: str  # cold, resident, end, pin or park
+    guest: bool = False
+
+    @property
+    def tier(self) -> str | None:
+        return None if self.source == "cold" else "resident"
+
+
+@dataclass
+class _End:
+    length: int
+    copy: SectionsCopy
+
+
+@dataclass
+class _Pinned:
+    token_ids: list[int]  # the head's tokens, rows [0, len)
+    rows: RowsCopy
+    anchors: dict[int, SectionsCopy]
+    taint: int | None
+    nbytes: int
+
+
+@dataclass
+class _Parked:
+    session: str | None
+    token_ids: list[int]  # the parked conversation's rows, [0, len)
+    head: int  # rows [0, head) were left in place and must be there to come back
+    rows: RowsCopy  # rows [head, len)
+    anchors: dict[int, SectionsCopy]
+    end: _End | None
+    taint: int | None
+    nbytes: int
+
+
+@dataclass
+class _Stash:
+    rows: RowsCopy
+    sections: SectionsCopy | None  # None when the end anchor already holds the live state
+    token_ids: list[int]
+    taint: int | None
+    nbytes: int
+
+
+@dataclass
+class ResidentStats:
+    anchors_taken: int = 0
+    anchor_evictions: int = 0
+    hits: int = 0
+    cold: int = 0
+    guests: int = 0
+    guest_refused: int = 0
+    pins: int = 0
+    pin_hits: int = 0
+    parks: int = 0
+    park_hits: int = 0
+    ends: int = 0
+    end_hits: int = 0
+    counters: dict = field(default_factory=dict)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class ResidentPrefix:
+    def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, *,
+                 guest_max: int = 8192, keep_newest: int = 4, end_anchor: bool = True,
+                 stash_margin: int = 512, pin_every: int = 4, pin_max: int = 8,
+                 park_anchors: int = 4):
+        self.engine = engine
+        self.memory = memory
+        self.chunk = engine.prefix_chunk
+        self.guest_max = guest_max
+        self.keep_newest = keep_newest
+        self.end_anchor = end_anchor
+        self.stash_margin = stash_margin
+        self.pin_every, self.pin_max = pin_every, pin_max
+        self.park_anchors = park_anchors
+        self.anchors: dict[int, SectionsCopy] = {}
+        self.end: _End | None = None
+        self._end_buffer: SectionsCopy | None = None  # the same buffers turn after turn
+        self.pinned: _Pinned | None = None
+        self.parked: _Parked | None = None
+        self.stash: _Stash | None = None
+        self.session: str | None = None  # of the rows in place
+        self.stats = ResidentStats()
+        self._guest_active = False
+
+    # -- the request's way -----------------------------------------------------------------
+
+    def begin(self, prompt_ids: Sequence[int], max_tokens: int,
+              session: str | None = None) -> Resume:
+        """Restore what serves ``prompt_ids`` best and put the engine there."""
+        eng = self.engine
+        prompt = list(prompt_ids)
+        limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
+        c = _common(prompt, eng.token_ids)
+        continuing = c >= eng.length and eng.length <= limit
+        if not continuing and self._is_guest(prompt, c):
+            return self._begin_guest(prompt, max_tokens, min(c, limit))
+
+        # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
+        best = Resume(0, "cold")
+        if continuing:
+            best = Resume(eng.length, "end" if self._end_at(eng.length) else "resident")
+        else:
+            if self.end is not None and self.end.length <= min(c, limit):
+                best = Resume(self.end.length, "end")
+            line = self._best_anchor(min(c, limit))
+            if line > best.start:
+                best = Resume(line, "resident")
+        pin_point = self._pin_offer(prompt, limit)
+        park_point = self._park_offer(prompt, limit)
+        if pin_point > best.start and pin_point >= park_point:
+            return self._swap_in_pin(prompt, pin_point, session)
+        if park_point > best.start:
+            return self._swap_in_park(prompt, park_point, session)
+
+        if not continuing:
+            # A request too long to be a guest that shares nothing is a compaction: its
+            # session's park is history it replaces, and the old prompt's head is pinned.
+            compaction = c < self.chunk and eng.length >= self.chunk
+            if (compaction and session is not None and self.parked is not None
+                    and self.parked.session == session):
+                self._drop_park()
+            if self._other_session(session) and eng.length > best.start:
+                self._park_current(best.start)
+            elif compaction:
+                self._pin_head()
+            self._move_to(best)
+        self.session = session
+        self._count(best)
+        return best
+
+    def on_chunk(self, end: int) -> None:
+        """After a prefill chunk: an anchor at every grid line the prefill passes."""
+        if self._guest_active or end % self.chunk:
+            return
+        self._take_anchor(end)
+
+    def finish(self) -> None:
+        """After a generation: a guest's rows go back; otherwise the end anchor is kept."""
+        if self._guest_active:
+            self._restore_stash()
+            return
+        if self.end_anchor:
+            self.keep_end()
+
+    def abort(self) -> None:
+        """A generation that failed mid-way: the rows in place are not trusted past line 0
+        unless a stash can put the resident rows back."""
+        if self._guest_active:
+            self._restore_stash()
+            return
+        self.anchors_drop_above(0)
+        self.end = None
+        self.engine.resume_at(0)
+
+    def keep_end(self) -> None:
+        eng = self.engine
+        eng.settle()
+        state = eng.cache_state()
+        if self.end is None:
+            if self._end_buffer is None:
+                if not self.memory.reserve("end", SectionsCopy.nbytes_of(state)):
+                    return
+                self._end_buffer = SectionsCopy.take(state)
+            else:
+                self._end_buffer.copy_from(state)
+        else:
+            self.end.copy.copy_from(state)
+        self.end = _End(eng.length, self._end_buffer)
+        self.stats.ends += 1
+
+    # -- guests ----------------------------------------------------------------------------
+
+    def _is_guest(self, prompt: list[int], c: int) -> bool:
+        return (len(prompt) <= self.guest_max and 4 * len(prompt) < self.engine.length)
+
+    def _begin_guest(self, prompt: list[int], max_tokens: int, c: int) -> Resume:
+        eng = self.engine
+        state = eng.cache_state()
+        start = self._best_anchor(c)
+        stop = min(eng.length, len(prompt) + max_tokens + 2 * self.stash_margin)
+        live_in_end = self.end is not None and self.end.length == eng.length
+        nbytes = RowsCopy.nbytes_of(state, max(stop - start, 0))
+        if not live_in_end:
+            nbytes += SectionsCopy.nbytes_of(state)
+        if stop > start and not self.memory.reserve("stash", nbytes):
+            # No room: the guest writes over the resident rows, which are cut at its start.
+            self.stats.guest_refused += 1
+            log.info("guest_stash_refused", nbytes=nbytes)
+            self._move_to(Resume(start, "resident" if start else "cold"))
+            self._count(Resume(start, "resident" if start else "cold"))
+            return Resume(start, "resident" if start else "cold", guest=True)
+        self.stash = _Stash(rows=RowsCopy.take(state, start, max(stop, start)),
+                            sections=None if live_in_end else SectionsCopy.take(state),
+                            token_ids=list(eng.token_ids), taint=eng.taint,
+                            nbytes=nbytes if stop > start else 0)
+        if start:
+            self.anchors[start].restore(state)
+        eng.resume_at(start)
+        self._guest_active = True
+        self.stats.guests += 1
+        return Resume(start, "resident" if start else "cold", guest=True)
+
+    def _restore_stash(self) -> None:
+        eng, stash = self.engine, self.stash
+        self._guest_active = False
+        if stash is None:
+            return
+        state = eng.cache_state()
+        stash.rows.restore(state)
+        (stash.sections or self.end.copy).restore(state)
+        eng.resume_at(len(stash.token_ids), stash.token_ids)
+        eng.taint = stash.taint
+        self.memory.release("stash", stash.nbytes)
+        self.stash = None
+
+    # -- anchors ---------------------------------------------------------------------------
+
+    def _best_anchor(self, limit: int) -> int:
+        lines = [line for line in self.anchors if line <= limit]
+        return max(lines, default=0)
+
+    def _protected(self) -> set[int]:
+        newest = sorted(self.anchors)[-self.keep_newest:]
+        keepers = {line for line in self.anchors
+                   if line % (self.pin_every * self.chunk) == 0
+                   and line <= self.pin_every * self.pin_max * self.chunk}
+        return set(newest) | keepers
+
+    def _take_anchor(self, line: int) -> None:
+        state = self.engine.cache_state()
+        if line in self.anchors:
+            self.anchors[line].copy_from(state)
+            return
+        nbytes = SectionsCopy.nbytes_of(state)
+        while not self.memory.reserve("anchors", nbytes):
+            if not self._evict_one(protect=line):
+                return
+        self.anchors[line] = SectionsCopy.take(state)
+        self.stats.anchors_taken += 1
+
+    def _evict_one(self, protect: int) -> bool:
+        """Drop the unprotected anchor whose loss costs least: the one nearest the anchor
+        below it (the re-read it adds is that gap)."""
+        keep = self._protected() | {protect}
+        lines = sorted(self.anchors)
+        candidates = [(line - (lines[i - 1] if i else 0), line)
+                      for i, line in enumerate(lines) if line not in keep]
+        if not candidates:
+            return False
+        _, line = min(candidates)
+        self._drop_anchor(line)
+        self.stats.anchor_evictions += 1
+        return True
+
+    def _drop_anchor(self, line: int) -> None:
+        copy = self.anchors.pop(line)
+        self.memory.release("anchors", copy.nbytes)
+
+    def anchors_drop_above(self, line: int) -> None:
+        for above in [x for x in self.anchors if x > line]:
+            self._drop_anchor(above)
+
+    def _end_at(self, n: int) -> bool:
+        return self.end is not None and self.end.length == n
+
+    def _move_to(self, resume: Resume) -> None:
+        """Put the engine at ``resume.start`` over the rows in place, restoring the copy there;
+        everything above it is about to be written over."""
+        eng = self.engine
+        state = eng.cache_state()
+        n = resume.start
+        if n != eng.length:
+            if resume.source == "end":
+                self.end.copy.restore(state)
+            elif n:
+                self.anchors[n].restore(state)
+            eng.resume_at(n)
+        self.anchors_drop_above(n)
+        if self.end is not None and self.end.length > n:
+            self.end = None
+
+    def _count(self, resume: Resume) -> None:
+        s = self.stats
+        if resume.source == "end":
+            s.end_hits += 1
+        elif resume.source == "resident":
+            s.hits += 1
+        elif resume.source == "cold":
+            s.cold += 1
+
+    def _other_session(self, session: str | None) -> bool:
+        if session is not None and self.session is not None:
+            return session != self.session
+        # Without a session key on both sides, a prompt that parts from the rows in place
+        # counts as another session.
+        return True
+
+    # -- the pinned head -------------------------------------------------------------------
+
+    def _pin_head(self) -> None:
+        eng = self.engine
+        keepers = sorted(line for line in self.anchors
+                         if line % (self.pin_every * self.chunk) == 0
+                         and line <= self.pin_every * self.pin_max * self.chunk)
+        if not keepers:
+            return
+        state = eng.cache_state()
+        if self.pinned is not None:
+            # The head already pinned is kept when the rows in place share it whole.
+            if _common(self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids):
+                return
+            self._drop_pin()
+        budget = self.memory.room("pin")
+        while keepers:
+            head = keepers[-1]
+            nbytes = (RowsCopy.nbytes_of(state, head)
+                      + len(keepers) * SectionsCopy.nbytes_of(state))
+            if nbytes <= budget:
+                break
+            keepers.pop()
+        if not keepers or not self.memory.reserve("pin", nbytes):
+            return
+        self.pinned = _Pinned(token_ids=list(eng.token_ids[:head]),
+                              rows=RowsCopy.take(state, 0, head),
+                              anchors={line: SectionsCopy(
+                                  {k: t.clone() for k, t in self.anchors[line].tensors.items()})
+                                  for line in keepers},
+                              taint=eng.taint if eng.taint is not None and eng.taint < head else None,
+                              nbytes=nbytes)
+        self.stats.pins += 1
+        log.info("head_pinned", rows=head, anchors=len(keepers), nbytes=nbytes)
+
+    def _drop_pin(self) -> None:
+        if self.pinned is not None:
+            self.memory.release("pin", self.pinned.nbytes)
+            self.pinned = None
+
+    def _pin_offer(self, prompt: list[int], limit: int) -> int:
+        if self.pinned is None:
+            return 0
+        cp = _common(prompt, self.pinned.token_ids)
+        return max((line for line in self.pinned.anchors if line <= min(cp, limit)), default=0)
+
+    def _swap_in_pin(self, prompt: list[int], line: int, session: str | None) -> Resume:
+        eng, pin = self.engine, self.pinned
+        state = eng.cache_state()
+        c = _common(prompt, eng.token_ids)
+        if self._other_session(session) and eng.length > c:
+            self._park_current(self._best_anchor(c))
+        # Rows both prompts share stay; the rest of the head is copied back.
+        shared = min(_common(pin.token_ids, eng.token_ids), line)
+        self.anchors_drop_above(shared)
+        self.end = None
+        pin.rows.restore(state, shared, line)
+        pin.anchors[line].restore(state)
+        eng.resume_at(line, pin.token_ids)
+        eng.taint = pin.taint if pin.taint is not None and pin.taint < line else None
+        for at, copy in pin.anchors.items():
+            if shared < at <= line and self.memory.reserve("anchors", copy.nbytes):
+                self.anchors[at] = SectionsCopy({k: t.clone() for k, t in copy.tensors.items()})
+        self.session = session
+        self.stats.pin_hits += 1
+        return Resume(line, "pin")
+
+    # -- the parked session ----------------------------------------------------------------
+
+    def _park_current(self, head: int) -> None:
+        """Park the rows in place above ``head`` (about to be written over) with the newest
+        anchors and, when the rows up to it fit, the end anchor."""
+        eng = self.engine
+        state = eng.cache_state()
+        if self.parked is not None:
+            self._drop_park()  # one parked session; a third one's park goes
+        budget = self.memory.room("park")
+        per_anchor = SectionsCopy.nbytes_of(state)
+        above = sorted(line for line in self.anchors if line > head)
+        end = self.end if self.end is not None and self.end.length > head else None
+        stop, keep_end = None, False
+        if end is not None:
+            anchors = above[-(self.park_anchors - 1):] if self.park_anchors > 1 else []
+            nbytes = RowsCopy.nbytes_of(state, end.length - head) + per_anchor * (len(anchors) + 1)
+            if nbytes <= budget:
+                stop, keep_end = end.length, True
+        if stop is None:
+            while above:
+                anchors = above[-self.park_anchors:]
+                nbytes = RowsCopy.nbytes_of(state, above[-1] - head) + per_anchor * len(anchors)
+                if nbytes <= budget:
+                    stop = above[-1]
+                    break
+                above.pop()
+        if stop is None or not self.memory.reserve("park", nbytes):
+            return
+        end_copy = None
+        if keep_end:
+            end_copy = _End(end.length, SectionsCopy(
+                {k: t.clone() for k, t in end.copy.tensors.items()}))
+        self.parked = _Parked(
+            session=self.session, token_ids=list(eng.token_ids[:stop]), head=head,
+            rows=RowsCopy.take(state, head, stop),
+            anchors={line: SectionsCopy({k: t.clone() for k, t in self.anchors[line].tensors.items()})
+                     for line in anchors if line <= stop},
+            end=end_copy, taint=eng.taint if eng.taint is not None and eng.taint < stop else None,
+            nbytes=nbytes)
+        self.stats.parks += 1
+        log.info("session_parked", head=head, rows=stop - head, anchors=len(self.parked.anchors),
+                 end=keep_end, nbytes=nbytes)
+
+    def _drop_park(self) -> None:
+        if self.parked is not None:
+            self.memory.release("park", self.parked.nbytes)
+            self.parked = None
+
+    def _park_offer(self, prompt: list[int], limit: int) -> int:
+        park = self.parked
+        if park is None or self.engine.token_ids[:park.head] != park.token_ids[:park.head]:
+            return 0  # the shared head has to be in place
+        cp = min(_common(prompt, park.token_ids), limit)
+        if park.end is not None and park.end.length <= cp:
+            return park.end.length
+        return max((line for line in park.anchors if line <= cp), default=0)
+
+    def _swap_in_park(self, prompt: list[int], point: int, session: str | None) -> Resume:
+        """The parked conversation comes back and the one in place is parked as it leaves."""
+        eng = self.engine
+        park = self.parked
+        self.parked = None
+        self.memory.release("park", park.nbytes)
+        self._park_current(park.head)  # may refuse: then the rows in place are simply lost
+        state = eng.cache_state()
+        park.rows.restore(state, park.head, point)
+        self.anchors_drop_above(park.head)
+        self.end = None
+        source_end = park.end is not None and park.end.length == point
+        (park.end.copy if source_end else park.anchors[point]).restore(state)
+        eng.resume_at(point, park.token_ids)
+        eng.taint = park.taint if park.taint is not None and park.taint < point else None
+        for line, copy in park.anchors.items():
+            if line <= point and self.memory.reserve("anchors", copy.nbytes):
+                self.anchors[line] = copy
+        if source_end and self.end_anchor:
+            if self._end_buffer is None and self.memory.reserve("end", park.end.copy.nbytes):
+                self._end_buffer = park.end.copy
+            elif self._end_buffer is not None:
+                self._end_buffer.copy_from(state)
+            if self._end_buffer is not None:
+                self.end = _End(point, self._end_buffer)
+        self.session = park.session if session is None else session
+        self.stats.park_hits += 1
+        return Resume(point, "park")
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def statistics(self) -> dict:
+        s = self.stats
+        held = self.memory.held
+        return {
+            "rows_in_place": self.engine.length,
+            "anchors": sorted(self.anchors), "anchor_bytes": held["anchors"],
+            "anchors_taken": s.anchors_taken, "evictions": s.anchor_evictions,
+            "hits": s.hits, "cold": s.cold,
+            "end": self.end.length if self.end else None, "ends": s.ends, "end_hits": s.end_hits,
+            "taint": self.engine.taint,
+            "guests": s.guests, "guest_refused": s.guest_refused, "stash_bytes": held["stash"],
+            "pinned": len(self.pinned.token_ids) if self.pinned else None,
+            "pinned_anchors": sorted(self.pinned.anchors) if self.pinned else [],
+            "pins": s.pins, "pin_hits": s.pin_hits, "pin_bytes": held["pin"],
+            "parked": ({"head": self.parked.head, "rows": len(self.parked.token_ids),
+                        "end": self.parked.end.length if self.parked.end else None}
+                       if self.parked else None),
+            "parks": s.parks, "park_hits": s.park_hits, "park_bytes": held["park"],
+        }
+
+    def check_invariants(self) -> None:
+        eng = self.engine
+        for line in self.anchors:
+            assert line % self.chunk == 0 and 0 < line <= eng.length, (line, eng.length)
+        if self.end is not None and not self._guest_active:
+            assert self.end.length <= eng.length, (self.end.length, eng.length)
+        held = self.memory.held
+        assert held["anchors"] == sum(c.nbytes for c in self.anchors.values()), "anchor bytes"
+        assert held["pin"] == (self.pinned.nbytes if self.pinned else 0), "pin bytes"
+        assert held["park"] == (self.parked.nbytes if self.parked else 0), "park bytes"
+        assert held["stash"] == (self.stash.nbytes if self.stash else 0), "stash bytes"
+        if self.stash is None:
+            assert not self._guest_active
+        self.memory.check_invariants()

@@ -1,0 +1,85 @@
+"""The parked session: when another session's request replaces the resident prompt, the rows it
+overwrites are parked with the newest anchors and the end; a later request that shares more with
+the parked prompt swaps it back (the other conversation is parked as it leaves). Grid resumes
+are checked bit for bit (gate 1), end resumes by greedy tokens (greedy gate)."""
+
+import pytest
+import torch
+
+from resident_rig import Rig, assert_bit_exact, cold, tokens, uninterrupted
+from tandem.models.hybrid import HybridModel
+from tandem.models.third import ThirdModel
+
+
+@pytest.fixture(params=["qwen3_5", "third"])
+def model(request):
+    if request.param == "third":
+        return ThirdModel()
+    return HybridModel.load(request.getfixturevalue("qwen3_5_dir"))
+
+
+def _two_sessions(model):
+    v = model.vocab_size
+    head = tokens(v, 130, 20)  # the shared system text: rows [0, 128) stay in place
+    a1 = head + tokens(v, 300, 21)
+    b1 = head + tokens(v, 280, 22)
+    return head, a1, b1
+
+
+def test_another_session_parks_the_rows_it_overwrites_with_the_end(model):
+    _, a1, b1 = _two_sessions(model)
+    rig = Rig(model)
+    _, out_a = rig.turn(a1, session="a")
+    resume_b, _ = rig.turn(b1, session="b")
+    assert (resume_b.source, resume_b.start) == ("resident", 128)
+    parked = rig.resident.statistics()["parked"]
+    assert parked == {"head": 128, "rows": len(a1) + len(out_a) - 1,
+                      "end": len(a1) + len(out_a) - 1}
+
+
+def test_every_swap_brings_a_conversation_back_at_its_end_with_the_same_tokens(model):
+    v = model.vocab_size
+    _, a1, b1 = _two_sessions(model)
+    rig = Rig(model)
+    _, out_a1 = rig.turn(a1, session="a")
+    _, out_b1 = rig.turn(b1, session="b")
+    a2 = a1 + out_a1 + tokens(v, 40, 23)
+    resume, out_a2 = rig.turn(a2, session="a")
+    assert (resume.source, resume.start) == ("park", len(a1) + len(out_a1) - 1)
+    b2 = b1 + out_b1 + tokens(v, 40, 24)
+    resume, out_b2 = rig.turn(b2, session="b")  # B was parked as A came back
+    assert (resume.source, resume.start) == ("park", len(b1) + len(out_b1) - 1)
+    a3 = a2 + out_a2 + tokens(v, 20, 25)
+    resume, out_a3 = rig.turn(a3, session="a")
+    assert resume.source == "park"
+    assert rig.resident.stats.park_hits == 3
+    # Greedy gate: each conversation writes what it writes when served alone.
+    assert [out_a1, out_a2, out_a3] == uninterrupted(model, [a1, a2, a3])
+    assert [out_b1, out_b2] == uninterrupted(model, [b1, b2])
+
+
+def test_a_swap_to_a_parked_grid_anchor_equals_a_cold_prefill_bit_for_bit(model):
+    v = model.vocab_size
+    rig = Rig(model)
+    rig.resident.end_anchor = False  # the park then holds grid anchors only
+    _, a1, b1 = _two_sessions(model)
+    rig.prefill(a1, session="a")
+    rig.prefill(b1, session="b")
+    a_edit = a1[:400] + tokens(v, 50, 26)  # parts from A's rows at 400: anchor 384
+    resume, logits = rig.prefill(a_edit, session="a")
+    assert (resume.source, resume.start) == ("park", 384)
+    engine, want = cold(model, a_edit)
+    assert torch.equal(logits, want)
+    assert_bit_exact(rig.engine, engine, len(a_edit))
+
+
+def test_a_compaction_drops_its_sessions_park(model):
+    v = model.vocab_size
+    _, a1, b1 = _two_sessions(model)
+    rig = Rig(model)
+    rig.turn(a1, session="a")
+    rig.turn(b1, session="b")
+    assert rig.resident.parked.session == "a"
+    rig.turn(tokens(v, 420, 27), session="a")  # a's compaction replaces b: b is parked
+    assert rig.resident.parked.session == "b"
+    assert rig.resident.stats.parks == 2
