@@ -1,0 +1,360 @@
+"""The engine actor: the only owner of the Engine, running all its torch work on one thread.
+
+The event loop never runs torch: the Engine is built and every generation runs on a single-worker
+ThreadPoolExecutor the actor owns. The thread hands each token to the loop with
+``loop.call_soon_threadsafe``; the loop delivers it to the request's sink. The actor's handler only
+queues, cancels and grants, so a `CancelGeneration` or a lock request is handled while a
+generation runs.
+
+The capture lock: one FIFO of holders, the engine's own generations and outside holders
+(`RequestCaptureLock`) in arrival order. The engine holds the lock for each generation it runs;
+an outside holder holds it from `CaptureLockGranted` to its `ReleaseCaptureLock`.
+
+Invariants (`check_invariants`): at most one holder; a generation runs iff it is the holder; the
+FIFO holds no request twice; `waiting` counts the generations in the FIFO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+
+from tandem.actors.engine_messages import (
+    CancelGeneration,
+    CaptureLockGranted,
+    Drain,
+    DrainStarted,
+    EngineDrained,
+    EngineFaulted,
+    Generate,
+    GenerationAccepted,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationRejected,
+    GenerationStarted,
+    ReleaseCaptureLock,
+    RequestCaptureLock,
+    TokenGenerated,
+)
+from tandem.actors.mailbox import MailboxFull
+from tandem.actors.messages import Message
+from tandem.actors.runtime import Actor, ActorStopped
+from tandem.engine import ContextOverflow, Engine, SamplingParams
+from tandem.models.base import ModelError
+
+log = structlog.get_logger("tandem.engine")
+
+
+class CaptureLockMisuse(RuntimeError):
+    """A release of the capture lock by someone who does not hold it: a protocol bug."""
+
+
+class _Job:
+    """One accepted generation. ``generated`` and ``phase`` are written by the engine thread
+    and read by the loop (snapshot); each is a single attribute store."""
+
+    def __init__(self, msg: Generate, accepted_s: float) -> None:
+        self.request_id = msg.request_id
+        self.prompt_ids = msg.prompt_ids
+        p = msg.params
+        self.params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                     top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                                     stop_token_ids=tuple(p.stop_token_ids))
+        self.reply_to = msg.reply_to
+        self.session = msg.session
+        self.accepted_s = accepted_s
+        self.cancel = threading.Event()
+        self.phase = "waiting"  # waiting -> prefill -> decode
+        self.generated = 0
+
+
+class _Outside:
+    """An outside holder of the capture lock, waiting or holding."""
+
+    def __init__(self, holder: str, reply_to: Any, grant_id: int) -> None:
+        self.holder = holder
+        self.reply_to = reply_to
+        self.grant_id = grant_id
+
+
+class EngineActor(Actor):
+    def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
+                 queue_limit: int = 16, retry_after_s: float = 1.0,
+                 mailbox_capacity: int = 256, **actor_options: Any) -> None:
+        """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
+        ``queue_limit``: generations that may wait beyond the running one."""
+        super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
+        self._make_engine = make_engine
+        self.queue_limit = queue_limit
+        self.retry_after_s = retry_after_s
+        self.engine: Engine | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fifo: deque[_Job | _Outside] = deque()
+        self._holder: _Job | _Outside | None = None
+        self._running: asyncio.Future[Any] | None = None  # the running job's executor future
+        self._jobs: dict[str, _Job] = {}  # every accepted job not yet finished, by request id
+        self._grant_ids = itertools.count(1)
+        self._draining = False
+        self._drain_sinks: list[Any] = []
+        self._fault: BaseException | None = None
+        self.finished_total = 0
+        self.failed_total = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def on_start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
+        try:
+            self.engine = await self._loop.run_in_executor(self._executor, self._make_engine)
+        except BaseException:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            raise
+
+    async def on_stop(self) -> None:
+        for job in list(self._jobs.values()):
+            job.cancel.set()
+        for item in list(self._fifo):
+            if isinstance(item, _Job):
+                self._fail(item, "stopped", "the engine stopped before the request ran")
+        self._fifo.clear()
+        if self._running is not None and not self._running.done():
+            # The thread stops at its next token; wait so that no torch work outlives the actor.
+            await asyncio.wait([self._running])
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for item in self._fifo if isinstance(item, _Job))
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def busy(self) -> bool:
+        return isinstance(self._holder, _Job)
+
+    def snapshot(self) -> dict:
+        """The engine for the console (tandem.server.keys.ENGINE's contract)."""
+        engine = self.engine
+        current = self._holder if isinstance(self._holder, _Job) else None
+        return {
+            "rows_in_place": engine.length if engine is not None else 0,
+            "window": engine.window if engine is not None else None,
+            "prefix_chunk": engine.prefix_chunk if engine is not None else None,
+            "num_threads": engine.num_threads if engine is not None else None,
+            "taint": engine.taint if engine is not None else None,
+            "request": None if current is None else {
+                "id": current.request_id,
+                "phase": current.phase,
+                "prompt_tokens": len(current.prompt_ids),
+                "generated": current.generated,
+            },
+            "waiting": self.waiting,
+            "draining": self._draining,
+            "capture_lock": (None if self._holder is None else
+                             self.name if isinstance(self._holder, _Job) else self._holder.holder),
+            "finished_total": self.finished_total,
+            "failed_total": self.failed_total,
+        }
+
+    def check_invariants(self) -> None:
+        ids = [item.request_id for item in self._fifo if isinstance(item, _Job)]
+        assert len(ids) == len(set(ids)), "a request waits twice"
+        assert self._holder not in self._fifo, "the holder is also waiting"
+        assert (self._running is not None and not self._running.done()) <= self.busy, \
+            "a generation runs without holding the capture lock"
+        running = [self._holder.request_id] if isinstance(self._holder, _Job) else []
+        assert set(self._jobs) == set(ids) | set(running), "job table out of step with the FIFO"
+
+    # -- messages --------------------------------------------------------------------------
+
+    async def handle(self, msg: Message) -> object | None:
+        if self._fault is not None:
+            raise self._fault
+        match msg:
+            case Generate():
+                return self._accept(msg)
+            case CancelGeneration(request_id=request_id):
+                self._cancel(request_id)
+            case Drain(reply_to=reply_to):
+                return self._drain(reply_to)
+            case RequestCaptureLock(holder=holder, reply_to=reply_to):
+                self._fifo.append(_Outside(holder, reply_to, next(self._grant_ids)))
+                self._pump()
+            case ReleaseCaptureLock(holder=holder, grant_id=grant_id):
+                held = self._holder
+                if not (isinstance(held, _Outside) and held.grant_id == grant_id
+                        and held.holder == holder):
+                    raise CaptureLockMisuse(
+                        f"{holder} released capture lock grant {grant_id} it does not hold")
+                self._holder = None
+                self._pump()
+            case EngineFaulted():
+                pass  # the fault was raised above
+            case _:
+                raise TypeError(f"{self.name} does not handle {type(msg).__name__}")
+        return None
+
+    def _accept(self, msg: Generate) -> GenerationAccepted | GenerationRejected:
+        if self._draining:
+            return GenerationRejected(msg.request_id, "draining", self.retry_after_s)
+        if msg.request_id in self._jobs:
+            return GenerationRejected(msg.request_id, "duplicate", 0.0)
+        ahead = self.waiting
+        if ahead >= self.queue_limit:
+            return GenerationRejected(msg.request_id, "queue_full", self.retry_after_s)
+        job = _Job(msg, self.clock.monotonic())
+        self._jobs[job.request_id] = job
+        self._fifo.append(job)
+        self._pump()
+        return GenerationAccepted(msg.request_id, 0 if self._holder is job else ahead)
+
+    def _cancel(self, request_id: str) -> None:
+        job = self._jobs.get(request_id)
+        if job is None:
+            return  # finished already, or never known
+        job.cancel.set()
+        if job is not self._holder:
+            self._fifo.remove(job)
+            self._fail(job, "cancelled", "cancelled while waiting")
+
+    def _drain(self, reply_to: Any) -> DrainStarted:
+        first = not self._draining
+        self._draining = True
+        dropped = 0
+        for item in list(self._fifo):
+            if isinstance(item, _Job):
+                self._fifo.remove(item)
+                self._fail(item, "draining", "the server is shutting down")
+                dropped += 1
+        running = 1 if self.busy else 0
+        if first:
+            log.info("engine_draining", running=running, dropped=dropped)
+        if reply_to is not None:
+            if running:
+                self._drain_sinks.append(reply_to)
+            else:
+                self._emit(reply_to, EngineDrained())
+        return DrainStarted(running, dropped)
+
+    # -- the capture lock's FIFO -----------------------------------------------------------
+
+    def _pump(self) -> None:
+        """Hand the lock to the next in line while it is free."""
+        while self._holder is None and self._fifo:
+            item = self._fifo.popleft()
+            self._holder = item
+            if isinstance(item, _Job):
+                self._start(item)
+            else:
+                self._emit(item.reply_to, CaptureLockGranted(item.holder, item.grant_id))
+
+    # -- running a generation --------------------------------------------------------------
+
+    def _start(self, job: _Job) -> None:
+        assert self._loop is not None and self._executor is not None
+        job.phase = "prefill"
+        queued_ms = (self.clock.monotonic() - job.accepted_s) * 1000.0
+        self._emit(job.reply_to, GenerationStarted(job.request_id, len(job.prompt_ids), queued_ms),
+                   job)
+        self._running = self._loop.run_in_executor(self._executor, self._generate, job)
+        self._running.add_done_callback(lambda fut: self._done(job, fut))
+
+    def _generate(self, job: _Job) -> Any:
+        """On the engine thread: the whole generation, tokens posted to the loop as they come."""
+        assert self.engine is not None
+
+        def on_token(token_id: int) -> bool:
+            index = job.generated
+            job.generated = index + 1
+            job.phase = "decode"
+            self._post(job, TokenGenerated(job.request_id, token_id, index))
+            return False
+
+        return self.engine.generate(job.prompt_ids, job.params, on_token=on_token,
+                                    should_cancel=job.cancel.is_set)
+
+    def _post(self, job: _Job, msg: Message) -> None:
+        """From the engine thread to the loop."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._emit, job.reply_to, msg, job)
+        except RuntimeError:
+            job.cancel.set()  # the loop has closed: nobody is left to read the tokens
+
+    def _done(self, job: _Job, fut: asyncio.Future[Any]) -> None:
+        """On the loop, after every token of the job was delivered (the executor sets its
+        future through call_soon_threadsafe too, so it comes after them)."""
+        self._running = None
+        self._holder = None
+        self._jobs.pop(job.request_id, None)
+        if fut.cancelled():
+            self._fail(job, "stopped", "the engine stopped", forget=False)
+        elif (exc := fut.exception()) is not None:
+            if isinstance(exc, ContextOverflow):
+                self._fail(job, "context_overflow", str(exc), forget=False,
+                           num_tokens=exc.num_tokens, window=exc.window)
+            elif isinstance(exc, (ModelError, ValueError)):
+                self._fail(job, "model_error", str(exc), forget=False)
+            else:
+                log.error("engine_failed", request_id=job.request_id, error=type(exc).__name__,
+                          reason=str(exc), traceback="".join(traceback.format_exception(exc)))
+                self._fail(job, "engine_error", f"internal engine error ({type(exc).__name__})",
+                           forget=False)
+                self._fault = exc
+                try:
+                    self.try_tell(EngineFaulted(), sender=self)
+                except (MailboxFull, ActorStopped):
+                    pass  # the next message raises the fault; a stopped actor needs no nudge
+        else:
+            result = fut.result()
+            self.finished_total += 1
+            self._emit(job.reply_to, GenerationFinished(
+                request_id=job.request_id, finish_reason=result.finish_reason,
+                prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids),
+                reused_tokens=result.reused_tokens, prefill_ms=result.prefill_ms,
+                decode_ms=result.decode_ms, decode_tok_s=result.decode_tok_s,
+                stop_token=result.stop_token), job)
+        if self._fault is None and self.state != "stopped":
+            self._pump()
+        if self._draining and not self.busy:
+            sinks, self._drain_sinks = self._drain_sinks, []
+            for sink in sinks:
+                self._emit(sink, EngineDrained())
+
+    def _fail(self, job: _Job, reason: str, detail: str, *, forget: bool = True,
+              **counts: int) -> None:
+        if forget:
+            self._jobs.pop(job.request_id, None)
+        self.failed_total += 1
+        self._emit(job.reply_to, GenerationFailed(job.request_id, reason, detail, **counts), job)
+
+    def _emit(self, sink: Any, msg: Message, job: _Job | None = None) -> None:
+        """Deliver an event to a sink, on the loop. A sink that cannot take it (an actor that
+        stopped or is full) has lost the request: the job is cancelled."""
+        if sink is None:
+            return
+        try:
+            if isinstance(sink, Actor):
+                sink.try_tell(msg, sender=self)
+            else:
+                sink.put_nowait(msg)
+        except (MailboxFull, ActorStopped, asyncio.QueueFull):
+            log.warning("engine_sink_lost", message_type=type(msg).__name__,
+                        request_id=None if job is None else job.request_id)
+            if job is not None:
+                job.cancel.set()

@@ -1,0 +1,171 @@
+"""Messages the engine actor receives, and the events it sends back.
+
+A requester (the server, or a tier) asks the engine with `Generate` and names a *sink* in
+`reply_to`: an `asyncio.Queue` (anything with a non-blocking ``put_nowait``) or an actor (told with
+``try_tell``). The engine's events for that request go there, in order: `GenerationStarted`, one
+`TokenGenerated` a token, then exactly one of `GenerationFinished` / `GenerationFailed`.
+
+Sinks are annotated `Any`: they are live objects that never leave the process, so an encoded
+message (trace, round-trip test) carries them as null.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from tandem.actors.messages import Message
+
+
+class GenerationParams(msgspec.Struct, frozen=True):
+    """Sampling of one generation; the engine's SamplingParams as a plain encodable struct."""
+
+    max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: every token
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+# -- generation ------------------------------------------------------------------------------
+
+
+class Generate(Message):
+    """Sender: the server (asks). Receiver: the engine, which queues the request behind the
+    capture lock's FIFO and answers `GenerationAccepted` or `GenerationRejected` at once.
+    Ownership: `prompt_ids` are the engine's from now on; the events go to `reply_to`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    reply_to: Any = None  # the sink of this request's events
+    session: str | None = None  # the hashed session key, for the console
+
+
+class GenerationAccepted(Message):
+    """Reply to `Generate`: queued (0 ahead: it runs now, or once an outside holder of the
+    capture lock lets go); `waiting_ahead`: generations that wait before it."""
+
+    request_id: str
+    waiting_ahead: int
+
+
+class GenerationRejected(Message):
+    """Reply to `Generate`: not queued. ``draining``: the engine is stopping; ``queue_full``:
+    more than the queue limit already wait; ``duplicate``: the request id is already known."""
+
+    request_id: str
+    reason: Literal["draining", "queue_full", "duplicate"]
+    retry_after_s: float
+
+
+class CancelGeneration(Message):
+    """Sender: the server (a client went away, a stop string matched). Receiver: the engine,
+    which drops the request if it waits, or stops it at its next token if it runs. A request
+    that has already finished is ignored."""
+
+    request_id: str
+
+
+class GenerationStarted(Message):
+    """Sender: the engine, to the request's sink, when its prefill begins."""
+
+    request_id: str
+    prompt_tokens: int
+    queued_ms: float
+
+
+class TokenGenerated(Message):
+    """Sender: the engine, to the request's sink, once per sampled token, in order."""
+
+    request_id: str
+    token_id: int
+    index: int  # 0 for the first generated token
+
+
+class GenerationFinished(Message):
+    """Sender: the engine, to the request's sink: the last event of a generation that ran.
+    ``finish_reason``: "stop" (a stop token), "length" (max_tokens or the window) or
+    "cancelled"; ``reused_tokens``: the prompt's rows that were in place (cached)."""
+
+    request_id: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    reused_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    decode_tok_s: float
+    stop_token: int | None = None
+
+
+class GenerationFailed(Message):
+    """Sender: the engine, to the request's sink: the last event of a generation that did not
+    run to its end. ``context_overflow`` carries both counts; ``draining`` / ``stopped``: the
+    engine dropped it before it started; ``cancelled``: cancelled while waiting;
+    ``model_error``: the model refused the input; ``engine_error``: a bug (the system stops)."""
+
+    request_id: str
+    reason: Literal["context_overflow", "model_error", "draining", "stopped", "cancelled",
+                    "engine_error"]
+    detail: str
+    num_tokens: int | None = None
+    window: int | None = None
+
+
+# -- drain -----------------------------------------------------------------------------------
+
+
+class Drain(Message):
+    """Sender: the entry point on SIGTERM. Receiver: the engine: the running generation
+    finishes, the waiting ones fail with ``draining``, every later `Generate` is rejected.
+    `EngineDrained` goes to `reply_to` once nothing runs. Replies `DrainStarted`."""
+
+    reply_to: Any = None
+
+
+class DrainStarted(Message):
+    """Reply to `Drain`: what was running and what was dropped from the queue."""
+
+    running: int
+    dropped: int
+
+
+class EngineDrained(Message):
+    """Sender: the engine, to a `Drain`'s sink, once no generation runs."""
+
+
+# -- the capture lock ------------------------------------------------------------------------
+
+
+class RequestCaptureLock(Message):
+    """Sender: anything that issues device work outside the engine (a tier's copy thread).
+    Receiver: the engine, which owns the lock's FIFO: its own generations and outside holders
+    take it in arrival order. `CaptureLockGranted` goes to `reply_to` when it is the holder's
+    turn. On a CPU the lock only serialises; the protocol is the same."""
+
+    holder: str
+    reply_to: Any = None
+
+
+class CaptureLockGranted(Message):
+    """Sender: the engine, to the holder's sink. Ownership: the lock is the holder's until it
+    sends `ReleaseCaptureLock` with this `grant_id`; the engine starts no work meanwhile."""
+
+    holder: str
+    grant_id: int
+
+
+class ReleaseCaptureLock(Message):
+    """Sender: the holder. Receiver: the engine, which grants the lock to the next in line.
+    Releasing a lock one does not hold is a bug: the engine actor fails."""
+
+    holder: str
+    grant_id: int
+
+
+class EngineFaulted(Message):
+    """Sender: the engine actor to itself, when its thread raised something that is not a
+    model error; handling it re-raises that exception, so the supervisor stops the system."""

@@ -1,0 +1,111 @@
+"""`tandem serve`: load the config and the model, run the server until SIGTERM / SIGINT.
+
+On the first signal the server drains: the engine finishes the generation it runs (its client
+gets the whole answer), refuses everything else with 503, and then the site closes and every
+actor stops. A second signal stops at once (the running generation is cancelled at its next
+token). An actor that fails stops the server too; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+import structlog
+from aiohttp import web
+
+from tandem.actors import Actor
+from tandem.actors.loop import install_uvloop
+from tandem.config import Config, load_config
+from tandem.logs import configure_logging
+from tandem.models import load_model
+from tandem.models.base import ModelError
+from tandem.server.app import DRAIN_TIMEOUT_S, build_app, drain
+from tandem.server.state import STATE
+
+log = structlog.get_logger("tandem.serve")
+
+SHUTDOWN_TIMEOUT_S = 10.0  # for handlers still writing once the engine has drained
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """The entry point of `tandem serve`; ``args`` from a parser given add_config_flags."""
+    config = load_config(cli_args=args)
+    configure_logging(config.log_level)
+    try:
+        loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+    except (ModelError, OSError) as e:
+        log.error("model_load_failed", model=config.server.model, error=type(e).__name__,
+                  reason=str(e))
+        return 2
+    uvloop = install_uvloop()
+    log.info("model_loaded", model=loaded.name, path=str(loaded.path), uvloop=uvloop)
+    return asyncio.run(serve(config, loaded))
+
+
+async def serve(config: Config, loaded, *, engine: Actor | None = None,
+                ready: asyncio.Future[int] | None = None,
+                stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` is set (by a signal, or by the caller) or an actor fails.
+    ``ready`` gets the bound port once the site listens; ``engine`` replaces the engine actor
+    (tests)."""
+    loop = asyncio.get_running_loop()
+    stop = stop if stop is not None else asyncio.Event()
+    app = build_app(config, loaded, engine=engine)
+    state = app[STATE]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()  # starts the actors
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        log.info("signal_received", signal=signal.Signals(signum).name, count=signals)
+        if signals == 1:
+            stop.set()
+        else:
+            state.supervisor.request_stop()  # the second one: stop now
+
+    installed = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+            installed.append(signum)
+        except (NotImplementedError, RuntimeError):
+            pass  # not the main thread (tests), or no signals on this platform
+    try:
+        site = web.TCPSite(runner, config.server.host, config.server.port)
+        await site.start()
+        port = _bound_port(site, config.server.port)
+        log.info("server_started", host=config.server.host, port=port, model=loaded.name)
+        if ready is not None and not ready.done():
+            ready.set_result(port)
+        stopped = asyncio.create_task(state.supervisor.wait())
+        stop_wait = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([stopped, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if not stopped.done():
+            log.info("server_draining")
+            drain_task = asyncio.create_task(drain(state.engine, DRAIN_TIMEOUT_S))
+            await asyncio.wait([drain_task, stopped], return_when=asyncio.FIRST_COMPLETED)
+            drain_task.cancel()
+        stopped.cancel()
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+        await runner.cleanup()  # closes the site, waits for handlers, stops the actors
+    failed = state.supervisor.failed
+    log.info("server_stopped", failed=failed)
+    return 1 if failed else 0
+
+
+def _bound_port(site: web.TCPSite, configured: int) -> int:
+    server = site._server  # aiohttp exposes the listening sockets only here
+    sockets = getattr(server, "sockets", None) or []
+    for sock in sockets:
+        return sock.getsockname()[1]
+    return configured

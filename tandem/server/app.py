@@ -1,0 +1,127 @@
+"""The aiohttp application: routes, the actor system it runs, and their lifecycle.
+
+`build_app` wires everything and returns the application; the supervisor starts with the app
+(aiohttp's cleanup context) and, when the app shuts down, the engine drains (the running
+generation finishes, nothing new starts) before every actor stops. Tests serve it with aiohttp's
+TestServer; `tandem serve` (tandem/serve.py) with a TCPSite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from functools import partial
+
+import structlog
+from aiohttp import web
+
+from tandem.actors import Actor, ActorStopped, Supervisor
+from tandem.actors.engine_actor import EngineActor
+from tandem.actors.engine_messages import Drain, EngineDrained
+from tandem.config import Config
+from tandem.engine import Engine
+from tandem.server.errors import error_middleware
+from tandem.server.journal import Journal
+from tandem.server.keys import CACHE_STATS, CONFIG, ENGINE, JOURNAL, MODEL_NAME, SUPERVISOR
+from tandem.server.metrics import CONTENT_TYPE, Metrics
+from tandem.server.openai_routes import add_openai_routes
+from tandem.server.state import STATE, SamplingDefaults, ServerState
+
+log = structlog.get_logger("tandem.server")
+
+DRAIN_TIMEOUT_S = 600.0  # the longest a shutdown waits for the running generation
+
+
+def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.Application:
+    """The server for ``loaded`` (a tandem.models.LoadedModel: its tokenizer is required).
+
+    ``engine``: an actor speaking the engine's messages (tests pass one around a scripted
+    engine); None builds the EngineActor over ``loaded.model`` with the config's engine knobs.
+    """
+    if loaded.tokenizer is None:
+        raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
+    if engine is None:
+        e = config.engine
+        engine = EngineActor("engine", make_engine=partial(
+            Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
+            num_threads=e.num_threads), queue_limit=config.server.queue_limit)
+    supervisor = Supervisor()
+    supervisor.add(engine)
+    journal = Journal(config.journal_path())
+    metrics = Metrics()
+    path = getattr(loaded, "path", None)
+    state = ServerState(
+        config=config, tokenizer=loaded.tokenizer, model_name=loaded.name, engine=engine,
+        journal=journal, metrics=metrics, supervisor=supervisor,
+        defaults=SamplingDefaults.from_model_dir(path),
+        chat_template=getattr(loaded.tokenizer, "chat_template", None))
+    metrics.gauge("tandem_engine_rows_in_place", "Rows (tokens) in the engine's buffers.",
+                  lambda: engine.snapshot().get("rows_in_place") or 0)
+    metrics.gauge("tandem_requests_waiting", "Requests waiting for the engine.",
+                  lambda: engine.snapshot().get("waiting") or 0)
+    metrics.gauge("tandem_requests_running", "Requests the engine is running.",
+                  lambda: 1 if engine.snapshot().get("request") else 0)
+
+    app = web.Application(client_max_size=config.server.max_body_bytes,
+                          middlewares=[error_middleware])
+    app[STATE] = state
+    app[SUPERVISOR] = supervisor
+    app[ENGINE] = engine
+    app[JOURNAL] = journal
+    app[CONFIG] = config
+    app[MODEL_NAME] = loaded.name
+    app[CACHE_STATS] = lambda: {"tiers": {}}
+    app.cleanup_ctx.append(_system)
+
+    add_openai_routes(app)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_route)
+    app.router.add_get("/v1/cache/stats", cache_stats)
+    from tandem.server.console import add_console_routes
+
+    add_console_routes(app)
+    return app
+
+
+async def _system(app: web.Application) -> AsyncIterator[None]:
+    """Start the actors with the app; on shutdown drain the engine, then stop them."""
+    state = app[STATE]
+    await state.supervisor.start()
+    try:
+        yield
+    finally:
+        await drain(state.engine, DRAIN_TIMEOUT_S)
+        await state.supervisor.stop()
+        state.journal.close()
+
+
+async def drain(engine: Actor, timeout_s: float) -> bool:
+    """Drain the engine: the running generation finishes, the waiting ones and every later one
+    are refused. True once nothing runs; False after ``timeout_s`` or if the engine stopped."""
+    drained: asyncio.Queue = asyncio.Queue()
+    try:
+        await engine.ask(Drain(reply_to=drained), timeout_s, sender="server")
+        async with asyncio.timeout(timeout_s):
+            while not isinstance(await drained.get(), EngineDrained):
+                pass
+    except (ActorStopped, TimeoutError):
+        return False
+    return True
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.supervisor.running:
+        return web.json_response({"status": "stopped"}, status=503)
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
+    return web.json_response({"status": "ok", "model": state.model_name})
+
+
+async def metrics_route(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def cache_stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[CACHE_STATS]())

@@ -1,0 +1,271 @@
+"""One request's generation seen from the server: ask the engine, read its events, turn tokens
+into text, cut at stop strings, notice a client that left, and account for it all once.
+
+    run = Run(state, request, route="chat", prompt_ids=ids, params=params, stops=["\\n\\n"])
+    await run.start()                 # 503 when the engine will not take it
+    try:
+        async for text in run.texts(): ...
+    finally:
+        run.close(status)             # cancels an unfinished generation, writes the journal row
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+import structlog
+from aiohttp import web
+
+from tandem.actors import ActorStopped, MailboxFull
+from tandem.actors.engine_messages import (
+    CancelGeneration,
+    Generate,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationParams,
+    GenerationRejected,
+    GenerationStarted,
+    TokenGenerated,
+)
+from tandem.server.errors import ApiError
+from tandem.server.journal import RequestRow
+from tandem.server.state import ServerState
+
+log = structlog.get_logger("tandem.server")
+
+CANCEL_WAIT_S = 30.0  # after a stop string: how long the engine may take to reach a token
+CLIENT_GONE = 499  # the status a journal row records for a client that left (nginx's)
+
+
+class ClientGone(Exception):
+    """The client closed its connection; the generation is cancelled."""
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+class StopStrings:
+    """Cuts generated text at the first stop string, holding back an end that may begin one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self._longest = max((len(s) for s in stops), default=0)
+        self._text = ""
+        self._emitted = 0
+        self.matched = False
+
+    def feed(self, delta: str) -> str:
+        self._text += delta
+        if not self.stops:
+            out, self._emitted = self._text[self._emitted:], len(self._text)
+            return out
+        start = max(0, self._emitted - self._longest + 1)
+        hits = [i for s in self.stops if (i := self._text.find(s, start)) >= 0]
+        if hits:
+            cut = min(hits)
+            out = self._text[self._emitted:cut]
+            self._emitted = len(self._text)
+            self.matched = True
+            return out
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self._text)), hold, -1):
+                if s.startswith(self._text[-n:]):
+                    hold = n
+                    break
+        end = max(self._emitted, len(self._text) - hold)
+        out, self._emitted = self._text[self._emitted:end], end
+        return out
+
+    def flush(self) -> str:
+        if self.matched:
+            return ""
+        out, self._emitted = self._text[self._emitted:], len(self._text)
+        return out
+
+
+class Run:
+    def __init__(self, state: ServerState, request: web.Request, *, route: str, request_id: str,
+                 prompt_ids: list[int], params: GenerationParams, stops: list[str],
+                 session: str | None, arrived_s: float) -> None:
+        self.state = state
+        self.request = request
+        self.route = route
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.session = session
+        self.arrived_s = arrived_s
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._decoder = state.tokenizer.stream_decoder()
+        self._stops = StopStrings(stops)
+        self.started = False  # the engine accepted it
+        self.ended = False  # the engine sent its last event
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.result: GenerationFinished | None = None
+        self.ttft_ms: float | None = None
+        self._closed = False
+
+    # -- the engine ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
+                       session=self.session)
+        try:
+            reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
+        except TimeoutError:
+            raise ApiError(503, "the engine is overloaded; retry later", code="overloaded",
+                           retry_after_s=1.0) from None
+        except ActorStopped:
+            raise ApiError(503, "the engine has stopped", code="engine_stopped") from None
+        if isinstance(reply, GenerationRejected):
+            if reply.reason == "queue_full":
+                raise ApiError(503, "too many requests are waiting for the engine; retry later",
+                               code="queue_full", retry_after_s=reply.retry_after_s)
+            if reply.reason == "draining":
+                raise ApiError(503, "the server is shutting down", code="draining",
+                               retry_after_s=reply.retry_after_s)
+            raise ApiError(400, "duplicate request id", code="duplicate_request")
+        self.started = True
+
+    def cancel(self) -> None:
+        if not self.started or self.ended:
+            return
+        try:
+            self.state.engine.try_tell(CancelGeneration(self.request_id), sender="server")
+        except ActorStopped:
+            pass  # a stopped engine runs nothing
+        except MailboxFull:
+            # A full mailbox drains in milliseconds; the engine must still hear of it.
+            self.state.cancel_later(self.request_id)
+
+    def client_gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def texts(self) -> AsyncIterator[str]:
+        """The answer's text deltas, until the engine's last event or a stop string."""
+        while not self.ended:
+            msg = await self._events.get()
+            match msg:
+                case GenerationStarted():
+                    pass
+                case TokenGenerated(token_id=token_id):
+                    if self.client_gone():
+                        raise ClientGone
+                    if self.ttft_ms is None:
+                        self.ttft_ms = (self._loop.time() - self.arrived_s) * 1000.0
+                    self.completion_tokens += 1
+                    text = self._stops.feed(self._decoder.push(token_id))
+                    if text:
+                        yield text
+                    if self._stops.matched:
+                        self.finish_reason = "stop"
+                        await self._wait_after_cancel()
+                        return
+                case GenerationFinished():
+                    self._finished(msg)
+                    text = self._stops.feed(self._decoder.finish())
+                    text += self._stops.flush()
+                    if text:
+                        yield text
+                    if self._stops.matched:
+                        self.finish_reason = "stop"
+                case GenerationFailed():
+                    self.ended = True
+                    self.finish_reason = "error"
+                    raise _failure_error(msg)
+
+    async def _wait_after_cancel(self) -> None:
+        """A stop string matched: cancel and take the engine's last event (it holds the
+        counts); the tokens it made meanwhile are dropped."""
+        self.cancel()
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                while not self.ended:
+                    msg = await self._events.get()
+                    if isinstance(msg, GenerationFinished):
+                        self._finished(msg, keep_reason=True)
+                    elif isinstance(msg, GenerationFailed):
+                        self.ended = True
+        except TimeoutError:
+            log.warning("engine_cancel_slow", request_id=self.request_id)
+
+    def _finished(self, msg: GenerationFinished, keep_reason: bool = False) -> None:
+        self.ended = True
+        self.result = msg
+        if not keep_reason:
+            self.finish_reason = msg.finish_reason
+
+    # -- accounting ------------------------------------------------------------------------
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.result.reused_tokens if self.result is not None else 0
+
+    def usage(self) -> dict:
+        prompt = len(self.prompt_ids)
+        cached = self.cached_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": prompt + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "tandem": {"cache": {"tier": None, "source": "engine" if cached else "cold",
+                                 "cached": cached, "reread": prompt - cached}},
+        }
+
+    def close(self, status: int, error_code: str | None = None) -> None:
+        """Cancel what still runs and account for the request: metrics and the journal row.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.started and not self.ended:
+            self.cancel()
+            if self.finish_reason is None:
+                self.finish_reason = "cancelled"
+        m = self.state.metrics
+        prompt = len(self.prompt_ids)
+        cached = self.cached_tokens
+        ran = self.result is not None
+        if ran:
+            m.prompt_tokens.inc(prompt)
+            m.prefix_cache_queries.inc(prompt)
+            m.prefix_cache_hits.inc(cached)
+            m.decode_tok_s.observe(self.result.decode_tok_s)
+        m.generation_tokens.inc(self.completion_tokens)
+        if self.finish_reason is not None:
+            m.finished.labels(self.finish_reason).inc()
+        if self.ttft_ms is not None:
+            m.ttft.observe(self.ttft_ms / 1000.0)
+        self.state.journal.append(RequestRow(
+            request_id=self.request_id, t=time.time(), session=self.session,
+            route=self.route, prompt_tokens=prompt, completion_tokens=self.completion_tokens,
+            cached_tokens=cached, reread_tokens=prompt - cached if ran else 0,
+            cache_source=("engine" if cached else "cold") if ran else None,
+            ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
+            decode_tok_s=round(self.result.decode_tok_s, 3) if ran else None,
+            finish_reason=self.finish_reason, status=status, error=error_code))
+
+
+def _failure_error(msg: GenerationFailed) -> ApiError:
+    match msg.reason:
+        case "context_overflow":
+            return ApiError(400, msg.detail, param="messages", code="context_length_exceeded")
+        case "model_error":
+            return ApiError(400, msg.detail, code="invalid_prompt")
+        case "draining" | "stopped":
+            return ApiError(503, "the server is shutting down", code=msg.reason,
+                            retry_after_s=1.0)
+        case "cancelled":
+            return ApiError(503, "the request was cancelled", code="cancelled")
+        case _:
+            return ApiError(500, "internal engine error", type="server_error",
+                            code="engine_error")

@@ -1,0 +1,70 @@
+"""The journal: one JSON row per request, appended to a JSONL file under ``home``.
+
+A row holds counts, timings, a hashed session and a status, never user text: the row type
+below is the whole list of what may be written. The last rows are also kept in memory for the
+console (``tail``). Later issues append cache events to the same file (``kind`` tells them
+apart).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import msgspec
+
+
+class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
+    """One request. ``t``: wall-clock seconds when it ended; ``session``: the hash or None;
+    ``status``: the HTTP status answered (a stream that started is 200 whatever its end)."""
+
+    kind: str = "request"
+    request_id: str
+    t: float
+    session: str | None
+    route: str
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reread_tokens: int = 0
+    cache_source: str | None = None  # "cold" | "engine"; None when nothing ran
+    ttft_ms: float | None = None
+    decode_tok_s: float | None = None
+    finish_reason: str | None = None
+    status: int
+    error: str | None = None  # the error code (never its message: it may quote the input)
+
+
+class Journal:
+    def __init__(self, path: Path, *, keep: int = 1000) -> None:
+        """``path``: the JSONL file (created with its folder on the first row); ``keep``: rows
+        held for ``tail``."""
+        self.path = Path(path)
+        self._rows: deque[dict] = deque(maxlen=keep)
+        self._file = None
+        self._encoder = msgspec.json.Encoder()
+        self.rows_written = 0
+
+    def append(self, row: RequestRow) -> None:
+        # A row is a few hundred bytes: one buffered write and a flush, on the loop, is cheaper
+        # than a hop to a thread. No fsync: a lost last row on a crash is acceptable.
+        line = self._encoder.encode(row) + b"\n"
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab")
+        self._file.write(line)
+        self._file.flush()
+        self._rows.append(msgspec.to_builtins(row))
+        self.rows_written += 1
+
+    def tail(self, n: int) -> list[dict]:
+        """The last ``n`` rows this process wrote, newest last."""
+        if n <= 0:
+            return []
+        rows = list(self._rows)
+        return rows[-n:]
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -1,0 +1,391 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+A generation request goes: read the body (size limit, read deadline) -> decode and check it ->
+render and tokenize -> check the window -> ask the engine (`Run`) -> answer whole or as SSE
+chunks. Every request that gets as far as a decoded body leaves one journal row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from tandem.actors.engine_messages import GenerationParams
+from tandem.models.chat import (
+    ChatError,
+    ContentDelta,
+    ReasoningDelta,
+    StreamParser,
+    ToolCallParsed,
+    parse_output,
+    render_chat,
+)
+from tandem.server.errors import ApiError, bad_request
+from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
+from tandem.server.journal import RequestRow
+from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling, decode_body
+from tandem.server.sessions import session_key
+from tandem.server.state import STATE, ServerState
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_json = msgspec.json.Encoder()
+
+
+def add_openai_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+
+
+# -- models ----------------------------------------------------------------------------------
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created_s,
+            "owned_by": "tandem", "max_model_len": state.window}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model_card(state)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if request.match_info["model"] != state.model_name:
+        raise _unknown_model(request.match_info["model"], state)
+    return web.json_response(_model_card(state))
+
+
+def _unknown_model(name: str, state: ServerState) -> ApiError:
+    return ApiError(404, f"the model {name!r} does not exist; this server serves "
+                    f"{state.model_name!r}", param="model", code="model_not_found")
+
+
+# -- reading a request -----------------------------------------------------------------------
+
+
+async def read_json(request: web.Request, state: ServerState) -> dict[str, Any]:
+    """The body as a JSON object: 413 past max_body_bytes, 408 (and the connection closed) when
+    it is not all there within request_read_timeout_s, 400 when it is not a JSON object."""
+    limit = state.config.server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(413, f"the body has {request.content_length} bytes; the limit is {limit}",
+                       code="request_too_large", close=True)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(state.config.server.request_read_timeout_s):
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the body is over the limit of {limit} bytes",
+                                   code="request_too_large", close=True)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, "the request was not received in time", code="request_timeout",
+                       close=True) from None
+    try:
+        body = msgspec.json.decode(b"".join(chunks))
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _params(req: _Sampling, state: ServerState, limit: int | None, room: int,
+            ) -> GenerationParams:
+    d = state.defaults
+    top_k = req.top_k if req.top_k is not None else d.top_k
+    return GenerationParams(
+        max_tokens=max(0, min(limit, room) if limit is not None else room),
+        temperature=req.temperature if req.temperature is not None else d.temperature,
+        top_p=req.top_p if req.top_p is not None else d.top_p,
+        top_k=max(top_k, 0),
+        seed=req.seed,
+        stop_token_ids=tuple(state.tokenizer.eos_ids),
+    )
+
+
+def _check_window(num_tokens: int, window: int, param: str) -> None:
+    if num_tokens > window:
+        raise ApiError(400, f"the prompt has {num_tokens} tokens and the window holds "
+                       f"{window}: shorten it by at least {num_tokens - window} tokens",
+                       param=param, code="context_length_exceeded")
+    if num_tokens == 0:
+        raise bad_request("the prompt is empty", param)
+
+
+class _Request:
+    """The part of a generation request shared by both routes: its id, session, the journal
+    row for a request refused before it ran, and the Run once it started."""
+
+    def __init__(self, request: web.Request, route: str, prefix: str) -> None:
+        self.request = request
+        self.state = request.app[STATE]
+        self.route = route
+        self.request_id = new_request_id(prefix)
+        self.arrived_s = asyncio.get_running_loop().time()
+        self.session: str | None = None
+        self.prompt_tokens: int | None = None
+        self.run: Run | None = None
+
+    def refused(self, status: int, code: str | None) -> None:
+        """The journal row of a request that never reached the engine, or was refused by it."""
+        self.state.journal.append(RequestRow(
+            request_id=self.request_id, t=time.time(), session=self.session, route=self.route,
+            prompt_tokens=self.prompt_tokens, status=status, error=code))
+
+    def counted(self, status: int) -> None:
+        self.state.metrics.requests.labels(self.route, str(status)).inc()
+        self.state.metrics.request_duration.observe(
+            asyncio.get_running_loop().time() - self.arrived_s)
+
+
+async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
+                 ) -> web.StreamResponse:
+    """Run a generation route: ``prepare(ctx, body)`` checks the body and returns the prompt
+    ids, params and stop strings; ``answer(ctx, req, run)`` writes the response."""
+    ctx = _Request(request, route, prefix)
+    status = 500
+    code: str | None = "internal_error"
+    try:
+        body = await read_json(request, ctx.state)
+        ctx.session = session_key(body, request.headers)
+        req, prompt_ids, params, stops, extra = prepare(ctx, body)
+        ctx.prompt_tokens = len(prompt_ids)
+        ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,
+                      prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
+                      arrived_s=ctx.arrived_s)
+        await ctx.run.start()
+        response = await answer(ctx, req, ctx.run, extra)
+        status, code = response.status, None
+        return response
+    except ApiError as e:
+        status, code = e.status, e.code
+        if ctx.run is not None and ctx.run.started:
+            ctx.run.close(status, code)
+        raise
+    except ClientGone:
+        status, code = CLIENT_GONE, "client_gone"
+        raise asyncio.CancelledError from None  # nobody is left to answer
+    except asyncio.CancelledError:
+        status, code = CLIENT_GONE, "client_gone"
+        raise
+    finally:
+        if ctx.run is not None and ctx.run.started:
+            ctx.run.close(status, code)  # no-op when already closed
+        else:
+            ctx.refused(status, code)
+        ctx.counted(status)
+
+
+# -- chat ------------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat", "chatcmpl", _prepare_chat, _answer_chat)
+
+
+def _prepare_chat(ctx: _Request, body: dict[str, Any]):
+    state = ctx.state
+    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
+    req.check()
+    if req.model != state.model_name:
+        raise _unknown_model(req.model, state)
+    tools = req.tools if req.tool_choice != "none" else None
+    try:
+        text = render_chat(req.messages, tools, add_generation_prompt=True,
+                           enable_thinking=req.enable_thinking, template=state.chat_template)
+    except ChatError as e:
+        param = "tools" if str(e).startswith("tools") else "messages"
+        raise bad_request(str(e), param, "invalid_messages") from None
+    prompt_ids = state.tokenizer.encode(text)
+    window = state.window
+    _check_window(len(prompt_ids), window, "messages")
+    params = _params(req, state, req.limit, window - len(prompt_ids) + 1)
+    return req, prompt_ids, params, req.stop_strings(), {"thinking": req.enable_thinking}
+
+
+def _chunk(ctx: _Request, run: Run, choices: list[dict], usage: dict | None = None,
+           with_usage: bool = False) -> bytes:
+    doc: dict[str, Any] = {"id": run.request_id, "object": "chat.completion.chunk",
+                           "created": ctx.state.created_now(), "model": ctx.state.model_name,
+                           "system_fingerprint": None, "choices": choices}
+    if with_usage:
+        doc["usage"] = usage
+    return b"data: " + _json.encode(doc) + b"\n\n"
+
+
+def _delta(delta: dict, finish_reason: str | None = None) -> list[dict]:
+    return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+
+
+async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extra: dict,
+                       ) -> web.StreamResponse:
+    thinking = extra["thinking"]
+    if not req.stream:
+        text = "".join([t async for t in run.texts()])
+        parsed = parse_output(text, thinking=thinking)
+        finish = _chat_finish(run.finish_reason, bool(parsed.tool_calls))
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": parsed.content if parsed.content or
+                                   not parsed.tool_calls else None,
+                                   "reasoning_content": parsed.reasoning}
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+        run.close(200)
+        return web.json_response({
+            "id": run.request_id, "object": "chat.completion",
+            "created": ctx.state.created_now(), "model": ctx.state.model_name,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": run.usage(),
+        })
+
+    include_usage = req.include_usage
+    stream = _SSE(ctx.request)
+    parser = StreamParser(thinking=thinking)
+    num_calls = 0
+
+    async def send(events) -> None:
+        nonlocal num_calls
+        for event in events:
+            match event:
+                case ReasoningDelta(text=t):
+                    delta = {"reasoning_content": t}
+                case ContentDelta(text=t):
+                    delta = {"content": t}
+                case ToolCallParsed(index=i, tool_call=call):
+                    num_calls += 1
+                    delta = {"tool_calls": [{"index": i, **call}]}
+            await stream.write(_chunk(ctx, run, _delta(delta), with_usage=include_usage))
+
+    # Headers and the role go out at once: the client sees the request taken while it waits
+    # for the engine (the window was checked already, so a late failure is rare).
+    await stream.write(_chunk(ctx, run, _delta({"role": "assistant", "content": ""}),
+                              with_usage=include_usage))
+    try:
+        async for text in run.texts():
+            await send(parser.feed(text))
+        await send(parser.finish())
+        finish = _chat_finish(run.finish_reason, num_calls > 0)
+        await stream.write(_chunk(ctx, run, _delta({}, finish), with_usage=include_usage))
+        if include_usage:
+            await stream.write(_chunk(ctx, run, [], run.usage(), with_usage=True))
+    except ApiError as e:
+        run.close(200, e.code)
+        await stream.write(b"data: " + _json.encode(e.body()) + b"\n\n")
+    run.close(200)
+    await stream.done()
+    return stream.response
+
+
+def _chat_finish(reason: str | None, tool_calls: bool) -> str:
+    if reason == "stop" and tool_calls:
+        return "tool_calls"
+    if reason in ("stop", "length"):
+        return reason
+    return "stop"
+
+
+class _SSE:
+    """A text/event-stream response, prepared at its first chunk; a failed write means the
+    client has gone."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no"})
+        self.prepared = False
+
+    async def prepare(self) -> None:
+        await self.response.prepare(self.request)
+        self.prepared = True
+
+    async def write(self, data: bytes) -> None:
+        if not self.prepared:
+            await self.prepare()
+        try:
+            await self.response.write(data)
+        except (ConnectionError, RuntimeError) as e:  # aiohttp's reset error is both
+            raise ClientGone from e
+
+    async def done(self) -> None:
+        await self.write(b"data: [DONE]\n\n")
+        try:
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError) as e:
+            raise ClientGone from e
+
+
+# -- completions -----------------------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completions", "cmpl", _prepare_completion,
+                        _answer_completion)
+
+
+def _prepare_completion(ctx: _Request, body: dict[str, Any]):
+    state = ctx.state
+    req: CompletionRequest = decode_body(body, CompletionRequest)
+    req.check()
+    if req.model != state.model_name:
+        raise _unknown_model(req.model, state)
+    prompt = req.prompt_ids_or_text(state.tokenizer.vocab_size)
+    prompt_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    window = state.window
+    _check_window(len(prompt_ids), window, "prompt")
+    limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    params = _params(req, state, limit, window - len(prompt_ids) + 1)
+    return req, prompt_ids, params, req.stop_strings(), {}
+
+
+def _completion_doc(ctx: _Request, run: Run, choices: list[dict]) -> dict:
+    return {"id": run.request_id, "object": "text_completion",
+            "created": ctx.state.created_now(), "model": ctx.state.model_name,
+            "system_fingerprint": None, "choices": choices}
+
+
+async def _answer_completion(ctx: _Request, req: CompletionRequest, run: Run, extra: dict,
+                             ) -> web.StreamResponse:
+    if not req.stream:
+        text = "".join([t async for t in run.texts()])
+        run.close(200)
+        doc = _completion_doc(ctx, run, [{"index": 0, "text": text, "logprobs": None,
+                                          "finish_reason": _chat_finish(run.finish_reason,
+                                                                        False)}])
+        doc["usage"] = run.usage()
+        return web.json_response(doc)
+    stream = _SSE(ctx.request)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> bytes:
+        doc = _completion_doc(ctx, run, choices)
+        if req.include_usage:
+            doc["usage"] = usage
+        return b"data: " + _json.encode(doc) + b"\n\n"
+
+    await stream.prepare()
+    try:
+        async for text in run.texts():
+            await stream.write(chunk([{"index": 0, "text": text, "logprobs": None,
+                                       "finish_reason": None}]))
+        await stream.write(chunk([{"index": 0, "text": "", "logprobs": None,
+                                   "finish_reason": _chat_finish(run.finish_reason, False)}]))
+        if req.include_usage:
+            await stream.write(chunk([], run.usage()))
+    except ApiError as e:
+        run.close(200, e.code)
+        await stream.write(b"data: " + _json.encode(e.body()) + b"\n\n")
+    run.close(200)
+    await stream.done()
+    return stream.response

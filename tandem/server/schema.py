@@ -1,0 +1,152 @@
+"""Request bodies of the OpenAI routes as msgspec Structs, and their checks.
+
+Unknown fields are ignored (clients send many harmless ones: ``user``, ``metadata``, penalties
+at 0, ...); fields that would change the answer in a way tandem cannot honour are refused with a
+400 naming the parameter (``n`` > 1, ``logprobs``, a JSON ``response_format``, a forced
+``tool_choice``, ``echo``, ``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from tandem.server.errors import ApiError, bad_request
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+TopK = Annotated[int, Meta(ge=-1)]  # -1 and 0: every token (vLLM spells "off" -1)
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(msgspec.Struct, frozen=True):
+    include_usage: bool = False
+
+
+class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: PositiveInt | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        return [s for s in stops if s]
+
+    def check_common(self) -> None:
+        if self.n is not None and self.n > 1:
+            raise bad_request("n > 1 is not supported: tandem generates one choice per request",
+                              "n", "unsupported_parameter")
+
+
+class ChatTemplateKwargs(msgspec.Struct, frozen=True):
+    enable_thinking: bool = True
+
+
+class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
+    messages: list[Any]
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request("response_format other than text is not supported",
+                              "response_format", "unsupported_parameter")
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+            raise bad_request(f"unknown tool_choice {choice!r}", "tool_choice")
+        if choice == "required" or isinstance(choice, dict):
+            raise bad_request("tool_choice 'required' or a named function is not supported "
+                              "(use 'auto' or 'none')", "tool_choice", "unsupported_parameter")
+
+    @property
+    def limit(self) -> int | None:
+        """max_completion_tokens, else max_tokens (OpenAI's newer name wins)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def enable_thinking(self) -> bool:
+        return self.chat_template_kwargs is None or self.chat_template_kwargs.enable_thinking
+
+
+class CompletionRequest(_Sampling, frozen=True, kw_only=True):
+    prompt: str | list[Any]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: PositiveInt | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported_parameter")
+        if self.logprobs:
+            raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
+        if self.best_of is not None and self.best_of > 1:
+            raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+
+    def prompt_ids_or_text(self, vocab_size: int) -> str | list[int]:
+        """The one prompt: a string, or a list of token ids (also either wrapped in a list of
+        one)."""
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            return p
+        if not p:
+            raise bad_request("the prompt is empty", "prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary (size "
+                                  f"{vocab_size})", "prompt")
+            return list(p)
+        if all(isinstance(t, (str, list)) for t in p):
+            raise bad_request("one prompt per request is supported", "prompt",
+                              "unsupported_parameter")
+        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+
+
+_AT = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: dict[str, Any], cls: type[msgspec.Struct]) -> Any:
+    """``body`` (a decoded JSON object) as ``cls``; a wrong type or a missing field is a 400
+    naming the field."""
+    try:
+        return msgspec.convert(body, cls)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _AT.search(text)
+        param = m.group(1) if m else None
+        if param is None and (missing := re.search(r"missing required field `([^`]*)`", text)):
+            param = missing.group(1)
+        raise ApiError(400, f"invalid request: {text}", param=param or None,
+                       code="invalid_value") from None

@@ -1,0 +1,256 @@
+"""The engine actor over the harness: a scripted engine for the protocol (gated, so each test
+decides when a token comes out), the small real model for determinism."""
+
+import asyncio
+import threading
+
+import pytest
+
+from scripted_engine import ScriptedEngine
+from small_hybrid import make_small_hybrid
+from tandem.actors.engine_actor import CaptureLockMisuse, EngineActor
+from tandem.actors.engine_messages import (
+    CancelGeneration,
+    CaptureLockGranted,
+    Drain,
+    DrainStarted,
+    EngineDrained,
+    Generate,
+    GenerationAccepted,
+    GenerationFailed,
+    GenerationFinished,
+    GenerationParams,
+    GenerationRejected,
+    GenerationStarted,
+    ReleaseCaptureLock,
+    RequestCaptureLock,
+    TokenGenerated,
+)
+from tandem.actors.harness import Harness
+from tandem.engine import Engine
+
+GREEDY = GenerationParams(max_tokens=8)
+
+
+def system(engine: ScriptedEngine, *, queue_limit: int = 4, check_failures: bool = True):
+    harness = Harness(check_failures=check_failures)
+    client = harness.probe("client")
+    actor = harness.add(EngineActor("engine", make_engine=lambda: engine,
+                                    queue_limit=queue_limit, clock=harness.clock))
+    return harness, client, actor
+
+
+async def generate(harness, client, request_id, prompt=(1, 2, 3), params=GREEDY):
+    return await harness.ask("engine", Generate(request_id, list(prompt), params,
+                                                reply_to=client))
+
+
+async def test_tokens_stream_back_in_order_then_finished():
+    engine = ScriptedEngine([5, 6, 7, 248046, 9])
+    harness, client, actor = system(engine)
+    async with harness:
+        reply = await generate(harness, client, "r1",
+                               params=GenerationParams(max_tokens=8, stop_token_ids=(248046,)))
+        assert reply == GenerationAccepted("r1", 0)
+        started = await client.expect(GenerationStarted)
+        assert started.prompt_tokens == 3
+        got = [(await client.expect(TokenGenerated)) for _ in range(3)]
+        assert [(t.token_id, t.index) for t in got] == [(5, 0), (6, 1), (7, 2)]
+        done = await client.expect(GenerationFinished)
+        assert (done.finish_reason, done.completion_tokens, done.stop_token) == ("stop", 3, 248046)
+        actor.check_invariants()
+        assert actor.snapshot()["request"] is None
+
+
+async def test_all_engine_work_runs_on_one_thread_that_is_not_the_loop():
+    built: list[ScriptedEngine] = []
+    harness = Harness()
+    client = harness.probe("client")
+    harness.add(EngineActor("engine", make_engine=lambda: built.append(ScriptedEngine([5, 6]))
+                            or built[0]))
+    async with harness:
+        for rid in ("a", "b"):
+            await generate(harness, client, rid)
+            await client.expect(GenerationFinished)
+    (engine,) = built
+    assert len(engine.threads) == 1  # where it was built and where both generations ran
+    assert threading.get_ident() not in engine.threads
+
+
+async def test_cancel_stops_a_running_generation_at_its_next_token():
+    engine = ScriptedEngine(list(range(10, 30)), gated=True)
+    harness, client, actor = system(engine)
+    async with harness:
+        await generate(harness, client, "r1", params=GenerationParams(max_tokens=20))
+        engine.step(2)
+        await client.expect(TokenGenerated)
+        await client.expect(TokenGenerated)
+        snap = actor.snapshot()
+        assert snap["request"]["id"] == "r1" and snap["request"]["phase"] == "decode"
+        await harness.inject("engine", CancelGeneration("r1"))
+        engine.step(1)  # the token in progress comes out, then the cancel is seen
+        done = await client.expect(GenerationFinished)
+        assert done.finish_reason == "cancelled" and done.completion_tokens == 3
+        actor.check_invariants()
+        # the engine is free for the next request
+        engine.gate = None
+        await generate(harness, client, "r2")
+        assert (await client.expect(GenerationFinished)).request_id == "r2"
+
+
+async def test_a_waiting_request_cancelled_never_runs_and_the_queue_moves_on():
+    engine = ScriptedEngine([1, 2], gated=True)
+    harness, client, actor = system(engine)
+    async with harness:
+        await generate(harness, client, "r1")
+        assert await generate(harness, client, "r2") == GenerationAccepted("r2", 0)
+        assert await generate(harness, client, "r3") == GenerationAccepted("r3", 1)
+        await harness.inject("engine", CancelGeneration("r2"))
+        failed = await client.expect(GenerationFailed)
+        assert (failed.request_id, failed.reason) == ("r2", "cancelled")
+        actor.check_invariants()
+        engine.step(4)
+        finished = [await client.expect(GenerationFinished) for _ in range(2)]
+        assert [f.request_id for f in finished] == ["r1", "r3"]
+        assert len(engine.prompts) == 2
+
+
+async def test_a_queue_over_its_limit_is_refused():
+    engine = ScriptedEngine([1], gated=True)
+    harness, client, actor = system(engine, queue_limit=2)
+    async with harness:
+        await generate(harness, client, "running")
+        await generate(harness, client, "w1")
+        await generate(harness, client, "w2")
+        reply = await generate(harness, client, "w3")
+        assert isinstance(reply, GenerationRejected) and reply.reason == "queue_full"
+        assert reply.retry_after_s > 0
+        assert isinstance(await generate(harness, client, "w1"), GenerationRejected)  # duplicate
+        engine.step(3)
+        for _ in range(3):
+            await client.expect(GenerationFinished)
+
+
+async def test_drain_finishes_the_running_generation_and_starts_nothing_new():
+    engine = ScriptedEngine([1, 2, 3], gated=True)
+    harness, client, actor = system(engine)
+    drained: asyncio.Queue = asyncio.Queue()
+    async with harness:
+        await generate(harness, client, "running")
+        await generate(harness, client, "waiting")
+        started = await harness.ask("engine", Drain(reply_to=drained))
+        assert started == DrainStarted(running=1, dropped=1)
+        failed = await client.expect(GenerationFailed)
+        assert (failed.request_id, failed.reason) == ("waiting", "draining")
+        reply = await generate(harness, client, "late")
+        assert isinstance(reply, GenerationRejected) and reply.reason == "draining"
+        assert drained.empty()
+        engine.step(3)
+        done = await client.expect(GenerationFinished)
+        assert (done.request_id, done.completion_tokens) == ("running", 3)
+        async with asyncio.timeout(1):
+            assert isinstance(await drained.get(), EngineDrained)
+        assert engine.prompts == [[1, 2, 3]]
+
+
+async def test_capture_lock_is_granted_in_fifo_order_and_holds_off_generations():
+    engine = ScriptedEngine([1], gated=True)
+    harness, client, actor = system(engine)
+    tier = harness.probe("tier")
+    copier = harness.probe("copier")
+    async with harness:
+        await generate(harness, client, "g1")  # the engine holds the lock for it
+        await harness.inject("engine", RequestCaptureLock("tier", reply_to=tier))
+        await generate(harness, client, "g2")  # behind the tier in the FIFO
+        await harness.inject("engine", RequestCaptureLock("copier", reply_to=copier))
+        assert actor.snapshot()["capture_lock"] == "engine"
+        engine.step(1)
+        assert (await client.expect(GenerationFinished)).request_id == "g1"
+        grant = await tier.expect(CaptureLockGranted)
+        assert actor.snapshot()["capture_lock"] == "tier"
+        assert not engine.running.is_set() and copier.unread == []
+        await harness.inject("engine", ReleaseCaptureLock("tier", grant.grant_id))
+        engine.step(1)
+        assert (await client.expect(GenerationFinished)).request_id == "g2"
+        grant2 = await copier.expect(CaptureLockGranted)
+        assert grant2.grant_id != grant.grant_id
+        await harness.inject("engine", ReleaseCaptureLock("copier", grant2.grant_id))
+        await harness.ask("engine", CancelGeneration("nothing"))  # a round trip: all handled
+        assert actor.snapshot()["capture_lock"] is None
+        actor.check_invariants()
+
+
+async def test_releasing_a_capture_lock_not_held_stops_the_system():
+    harness, client, actor = system(ScriptedEngine([1]), check_failures=False)
+    async with harness:
+        await harness.inject("engine", ReleaseCaptureLock("intruder", 7))
+        await harness.until_stopped()
+    assert isinstance(harness.supervisor.exception, CaptureLockMisuse)
+
+
+async def test_a_prompt_over_the_window_fails_with_both_counts():
+    harness, client, actor = system(ScriptedEngine([1], window=4))
+    async with harness:
+        await generate(harness, client, "long", prompt=range(6))
+        failed = await client.expect(GenerationFailed)
+        assert (failed.reason, failed.num_tokens, failed.window) == ("context_overflow", 6, 4)
+        await generate(harness, client, "ok", prompt=[1, 2])
+        assert (await client.expect(GenerationFinished)).request_id == "ok"
+
+
+async def test_an_engine_bug_fails_the_request_and_stops_the_system():
+    harness, client, actor = system(ScriptedEngine(fail_with=RuntimeError("kaboom")),
+                                    check_failures=False)
+    async with harness:
+        await generate(harness, client, "r1")
+        failed = await client.expect(GenerationFailed)
+        assert failed.reason == "engine_error" and "kaboom" not in failed.detail
+        await harness.until_stopped()
+    assert isinstance(harness.supervisor.exception, RuntimeError)
+
+
+async def test_stopping_the_system_cancels_the_running_generation_and_fails_the_waiting():
+    engine = ScriptedEngine(list(range(100)), gated=True)
+    harness, client, actor = system(engine)
+    events: asyncio.Queue = asyncio.Queue()
+    async with harness:
+        await harness.ask("engine", Generate("running", [1], GenerationParams(max_tokens=100),
+                                             reply_to=events))
+        await harness.ask("engine", Generate("waiting", [1], GREEDY, reply_to=events))
+        engine.step(1)
+        async with asyncio.timeout(1):
+            while not isinstance(await events.get(), TokenGenerated):
+                pass
+    # the running one saw the cancel while waiting for its next token; nothing runs now
+    assert not engine.running.is_set()
+    left = [events.get_nowait() for _ in range(events.qsize())]
+    assert GenerationFailed("waiting", "stopped", "the engine stopped before the request ran") \
+        in left
+    assert len(engine.prompts) == 1
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from tandem.models.hybrid import HybridModel
+    import torch
+
+    path = make_small_hybrid(tmp_path_factory.mktemp("small_hybrid"), tokenizer=False)
+    return HybridModel.load(path, dtype=torch.float32)
+
+
+async def test_seeded_sampling_on_the_real_engine_gives_the_same_tokens_twice(small_model):
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    actor = harness.add(EngineActor(
+        "engine", make_engine=lambda: Engine(small_model, window=256, prefix_chunk=32)))
+    params = GenerationParams(max_tokens=6, temperature=0.9, top_k=50, seed=1234)
+    runs = []
+    async with harness:
+        for rid in ("a", "b"):
+            await generate(harness, client, rid, prompt=[11, 22, 33, 44, 55], params=params)
+            runs.append([(await client.expect(TokenGenerated, 5)).token_id for _ in range(6)])
+            done = await client.expect(GenerationFinished, 5)
+            assert done.finish_reason == "length" and done.completion_tokens == 6
+        snap = actor.snapshot()
+        assert snap["rows_in_place"] == 5 + 6 - 1 and snap["window"] == 256
+    assert runs[0] == runs[1]
