@@ -92,21 +92,25 @@ class CacheConfig(_Section):
     resident_gb: Annotated[float, Meta(ge=0, description=(
         "Budget of the resident prefix anchors in host memory, GiB."))] = 2.5
     resident_guest_max: Annotated[int, Meta(ge=0, description=(
-        "Longest prompt, in tokens, of a request without a session that may leave resident "
-        "anchors."))] = 8192
+        "Longest prompt, in tokens, that runs as a guest (it must also be under a quarter of "
+        "the resident prompt): the rows it can write are stashed and put back after it."
+        ))] = 8192
     resident_stash_gb: Annotated[float, Meta(ge=0, description=(
-        "Budget of the stash of recently evicted anchors, GiB."))] = 1.0
+        "Budget of the guest stash: the resident rows a guest can write over, GiB."
+        ))] = 1.0
     resident_pin_gb: Annotated[float, Meta(ge=0, description=(
-        "Budget of pinned session anchors, GiB."))] = 4.0
+        "Budget of the pinned head: the old prompt's KV rows and up to 8 anchors, kept when "
+        "a compaction replaces the prompt, GiB."))] = 4.0
     resident_park_gb: Annotated[float, Meta(ge=0, description=(
-        "Budget of parked (idle session) anchors, GiB."))] = 4.0
+        "Budget of the parked session: the rows another session's request writes over, with "
+        "its newest anchors and its end anchor, GiB."))] = 4.0
     end_anchor: Annotated[bool, Meta(description=(
         "Keep the state at the end of the last answer so the next turn resumes there."
         ))] = True
     cache_gb: Annotated[float, Meta(ge=0, description=(
-        "Budget of the disk tier under home, GiB."))] = 2.0
+        "Budget of the state store (whole snapshots in RAM), GiB."))] = 2.0
     store_entry_gb: Annotated[float, Meta(ge=0, description=(
-        "Largest single entry of the state store, GiB."))] = 1.0
+        "Largest single snapshot the state store keeps, GiB."))] = 1.0
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

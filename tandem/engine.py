@@ -220,11 +220,14 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], bool] | None = None,
                  should_cancel: Callable[[], bool] | None = None,
-                 on_chunk: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_chunk: Callable[[int], None] | None = None,
+                 force: Callable[[list[int]], int | None] | None = None) -> GenerationResult:
         """Prefill the prompt (resuming over the rows in place it shares), then decode.
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
-        string); ``should_cancel()`` is polled between tokens; ``on_chunk`` as for prefill.
+        string); ``should_cancel()`` is polled between tokens; ``on_chunk`` as for prefill;
+        ``force(out)`` may return the next token instead of the sampler (a reasoning budget's
+        hidden close, a replay's recorded answer); a forced token still counts for stops.
         The last sampled token is never forwarded: the rows end one short of prompt + output,
         as every engine's do.
         """
@@ -246,7 +249,8 @@ class Engine:
         finish, stop_token = "length", None
         stops = set(params.stop_token_ids)
         while len(out) < params.max_tokens:
-            token = sampler(logits)
+            forced = force(out) if force is not None else None
+            token = sampler(logits) if forced is None else forced
             if token in stops:
                 finish, stop_token = "stop", token
                 break

@@ -47,6 +47,7 @@ from tandem.actors.engine_messages import (
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
+from tandem.cache.resident import ResidentPrefix
 from tandem.engine import ContextOverflow, Engine, SamplingParams
 from tandem.models.base import ModelError
 
@@ -87,12 +88,19 @@ class _Outside:
 
 class EngineActor(Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
+                 make_resident: Callable[[Engine], ResidentPrefix] | None = None,
                  queue_limit: int = 16, retry_after_s: float = 1.0,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
+        ``make_resident`` builds the resident prefix over it there (None: no caches);
         ``queue_limit``: generations that may wait beyond the running one."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._make_engine = make_engine
+        self._make_resident = make_resident
+        self.resident: ResidentPrefix | None = None
+        # The caches' counters as the engine thread last published them (after each
+        # generation): the loop reads this dict, never the tiers' live state.
+        self.cache_stats: dict = {"tiers": {}}
         self.queue_limit = queue_limit
         self.retry_after_s = retry_after_s
         self.engine: Engine | None = None
@@ -115,10 +123,22 @@ class EngineActor(Actor):
         self._loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
         try:
-            self.engine = await self._loop.run_in_executor(self._executor, self._make_engine)
+            self.engine = await self._loop.run_in_executor(self._executor, self._build)
         except BaseException:
             self._executor.shutdown(wait=False, cancel_futures=True)
             raise
+
+    def _build(self) -> Engine:
+        """On the engine thread: the engine and the caches that own copies of its state."""
+        engine = self._make_engine()
+        if self._make_resident is not None:
+            self.resident = self._make_resident(engine)
+            self._publish_cache_stats()
+        return engine
+
+    def _publish_cache_stats(self) -> None:
+        if self.resident is not None:
+            self.cache_stats = {"tiers": {"resident": self.resident.statistics()}}
 
     async def on_stop(self) -> None:
         for job in list(self._jobs.values()):
@@ -285,8 +305,26 @@ class EngineActor(Actor):
             self._post(job, TokenGenerated(job.request_id, token_id, index))
             return False
 
-        return self.engine.generate(job.prompt_ids, job.params, on_token=on_token,
-                                    should_cancel=job.cancel.is_set)
+        resident = self.resident
+        if resident is None:
+            result = self.engine.generate(job.prompt_ids, job.params, on_token=on_token,
+                                          should_cancel=job.cancel.is_set)
+            return result, "engine" if result.reused_tokens else "cold", False
+        resume = resident.begin(job.prompt_ids, job.params.max_tokens, job.session)
+        try:
+            result = self.engine.generate(job.prompt_ids, job.params, on_token=on_token,
+                                          should_cancel=job.cancel.is_set,
+                                          on_chunk=resident.on_chunk)
+        except BaseException:
+            # The rows in place are not trusted after a failed forward; a guest's stash goes
+            # back, anything else starts again from token 0.
+            resident.abort()
+            self._publish_cache_stats()
+            raise
+        resident.finish()
+        resident.check_invariants()
+        self._publish_cache_stats()
+        return result, resume.source, resume.guest
 
     def _post(self, job: _Job, msg: Message) -> None:
         """From the engine thread to the loop."""
@@ -321,14 +359,14 @@ class EngineActor(Actor):
                 except (MailboxFull, ActorStopped):
                     pass  # the next message raises the fault; a stopped actor needs no nudge
         else:
-            result = fut.result()
+            result, source, guest = fut.result()
             self.finished_total += 1
             self._emit(job.reply_to, GenerationFinished(
                 request_id=job.request_id, finish_reason=result.finish_reason,
                 prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids),
                 reused_tokens=result.reused_tokens, prefill_ms=result.prefill_ms,
                 decode_ms=result.decode_ms, decode_tok_s=result.decode_tok_s,
-                stop_token=result.stop_token), job)
+                stop_token=result.stop_token, cache_source=source, guest=guest), job)
         if self._fault is None and self.state != "stopped":
             self._pump()
         if self._draining and not self.busy:

@@ -88,7 +88,9 @@ class TokenGenerated(Message):
 class GenerationFinished(Message):
     """Sender: the engine, to the request's sink: the last event of a generation that ran.
     ``finish_reason``: "stop" (a stop token), "length" (max_tokens or the window) or
-    "cancelled"; ``reused_tokens``: the prompt's rows that were in place (cached)."""
+    "cancelled"; ``reused_tokens``: the line the prefill resumed at (cached), in the served
+    prompt's positions; ``cache_source``: what served the rows below it (cold, resident, end,
+    pin, park); ``guest``: the request ran as a guest (its rows were stashed and put back)."""
 
     request_id: str
     finish_reason: str
@@ -99,6 +101,8 @@ class GenerationFinished(Message):
     decode_ms: float
     decode_tok_s: float
     stop_token: int | None = None
+    cache_source: str = "cold"
+    guest: bool = False
 
 
 class GenerationFailed(Message):

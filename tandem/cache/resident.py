@@ -155,7 +155,7 @@ class ResidentPrefix:
 
         # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
         best = Resume(0, "cold")
-        if continuing:
+        if continuing and eng.length:
             best = Resume(eng.length, "end" if self._end_at(eng.length) else "resident")
         else:
             if self.end is not None and self.end.length <= min(c, limit):

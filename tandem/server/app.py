@@ -18,6 +18,8 @@ from aiohttp import web
 from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
+from tandem.cache.memory import MemoryAccountant
+from tandem.cache.resident import ResidentPrefix
 from tandem.config import Config
 from tandem.engine import Engine
 from tandem.server.errors import error_middleware
@@ -29,6 +31,7 @@ from tandem.server.state import STATE, SamplingDefaults, ServerState
 
 log = structlog.get_logger("tandem.server")
 
+GiB = 1 << 30
 DRAIN_TIMEOUT_S = 600.0  # the longest a shutdown waits for the running generation
 
 
@@ -44,7 +47,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
         e = config.engine
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
-            num_threads=e.num_threads), queue_limit=config.server.queue_limit)
+            num_threads=e.num_threads), make_resident=partial(make_resident, config),
+            queue_limit=config.server.queue_limit)
     supervisor = Supervisor()
     supervisor.add(engine)
     journal = Journal(config.journal_path())
@@ -70,7 +74,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     app[JOURNAL] = journal
     app[CONFIG] = config
     app[MODEL_NAME] = loaded.name
-    app[CACHE_STATS] = lambda: {"tiers": {}}
+    app[CACHE_STATS] = lambda: getattr(engine, "cache_stats", {"tiers": {}})
     app.cleanup_ctx.append(_system)
 
     add_openai_routes(app)
@@ -81,6 +85,22 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
 
     add_console_routes(app)
     return app
+
+
+def make_resident(config: Config, engine: Engine) -> ResidentPrefix:
+    """The resident prefix over ``engine``, its copies held to the config's budgets."""
+    c = config.cache
+    state_nbytes = engine.cost().state_nbytes
+    memory = MemoryAccountant({
+        "anchors": int(c.resident_gb * GiB),
+        # The end anchor's buffers, and a parked end on its way back in.
+        "end": 2 * state_nbytes if c.end_anchor else 0,
+        "stash": int(c.resident_stash_gb * GiB),
+        "pin": int(c.resident_pin_gb * GiB),
+        "park": int(c.resident_park_gb * GiB),
+    })
+    return ResidentPrefix(engine, memory, guest_max=c.resident_guest_max,
+                          end_anchor=c.end_anchor)
 
 
 async def _system(app: web.Application) -> AsyncIterator[None]:

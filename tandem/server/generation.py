@@ -209,16 +209,21 @@ class Run:
     def cached_tokens(self) -> int:
         return self.result.reused_tokens if self.result is not None else 0
 
+    @property
+    def cache_source(self) -> str:
+        return self.result.cache_source if self.result is not None else "cold"
+
     def usage(self) -> dict:
         prompt = len(self.prompt_ids)
         cached = self.cached_tokens
+        source = self.cache_source
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached},
-            "tandem": {"cache": {"tier": None, "source": "engine" if cached else "cold",
-                                 "cached": cached, "reread": prompt - cached}},
+            "tandem": {"cache": {"tier": None if source == "cold" else "resident",
+                                 "source": source, "cached": cached, "reread": prompt - cached}},
         }
 
     def close(self, status: int, error_code: str | None = None) -> None:
@@ -249,7 +254,7 @@ class Run:
             request_id=self.request_id, t=time.time(), session=self.session,
             route=self.route, prompt_tokens=prompt, completion_tokens=self.completion_tokens,
             cached_tokens=cached, reread_tokens=prompt - cached if ran else 0,
-            cache_source=("engine" if cached else "cold") if ran else None,
+            cache_source=self.cache_source if ran else None,
             ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
             decode_tok_s=round(self.result.decode_tok_s, 3) if ran else None,
             finish_reason=self.finish_reason, status=status, error=error_code))

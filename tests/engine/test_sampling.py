@@ -40,3 +40,12 @@ def test_on_token_returning_true_stops_after_that_token():
 def test_should_cancel_stops_with_reason_cancelled():
     result = _run(SamplingParams(max_tokens=20), should_cancel=lambda: True)
     assert result.finish_reason == "cancelled" and len(result.token_ids) == 1
+
+
+def test_a_forced_token_replaces_the_sampled_one_and_is_forwarded():
+    greedy = _run(SamplingParams(max_tokens=6)).token_ids
+    forced = [7, 8, 9]
+    result = _run(SamplingParams(max_tokens=6),
+                  force=lambda out: forced[len(out)] if len(out) < 3 else None)
+    assert result.token_ids[:3] == forced
+    assert result.token_ids != greedy

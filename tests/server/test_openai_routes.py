@@ -87,7 +87,7 @@ async def test_a_prompt_that_continues_the_rows_in_place_reports_them_cached(ser
                                              max_tokens=2, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= len(prompt)
-    assert second.usage.model_extra["tandem"]["cache"]["source"] == "engine"
+    assert second.usage.model_extra["tandem"]["cache"]["source"] == "end"
     assert second.usage.model_extra["tandem"]["cache"]["reread"] == len(second_prompt) - cached
 
 
@@ -104,7 +104,9 @@ async def test_health_metrics_and_cache_stats(server, sdk):
         async with http.get(base + "/health") as r:
             assert (await r.json())["status"] == "ok"
         async with http.get(base + "/v1/cache/stats") as r:
-            assert await r.json() == {"tiers": {}}
+            resident = (await r.json())["tiers"]["resident"]
+        assert resident["cold"] == 1 and resident["ends"] == 1
+        assert resident["end"] == resident["rows_in_place"] > 0
         async with http.get(base + "/metrics") as r:
             text = await r.text()
     for name in ("tandem_prefix_cache_queries_total", "tandem_prefix_cache_hits_total",
