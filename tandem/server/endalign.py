@@ -1,0 +1,339 @@
+"""The end alignment: does a client's copy of a conversation continue the rows at the end anchor?
+
+The engine's rows up to the end anchor are the last request's prompt followed by what the model
+generated. The client sends the conversation back as text, which tandem's template renders and
+the tokenizer encodes again, so the copy parts from the rows inside the answer:
+
+* re-tokenising text rarely reproduces the generated token boundaries;
+* opencode re-serialises a tool call's JSON compactly (``{"a":"b"}`` for ``{"a": "b"}``) and
+  the template trims the reasoning and the content;
+* tokens the server forced into the rows and never showed (a reasoning budget's hidden close
+  phrase: the record's *hidden spans*) are missing from the copy, and the template's whitespace
+  next to them is not the rows';
+* Open WebUI sends an answer back without its reasoning, which the template renders as
+  ``<think>\\n\\n</think>\\n\\n`` + the answer.
+
+:func:`align` tries, in order:
+
+``exact``
+    the prompt starts with every row: it is served as it is.
+``glue``
+    the non-whitespace bytes of the rows, the hidden spans left out, are the start of the
+    prompt's non-whitespace bytes, and that match ends at a prompt token boundary.
+``reasoning``
+    the same, with the reasoning of a generation region (rows ``[start, think_close)``) left out
+    where the copy does not hold it; the ``<think>`` and ``</think>`` tags are special tokens whose
+    bytes are their text and must still match, as must every other non-whitespace byte.
+
+When the copy aligns, the engine is served the rows' own tokens up to the end anchor (the
+context it had, hidden tokens and reasoning included) followed by the prompt's tokens after the
+matched part: ``served = record.rows + prompt[cut:]``.
+
+Pure: no torch, no asyncio. The per-record byte streams are computed once, lazily, and cached
+on the record (and carried forward by :meth:`EndRecord.extend`), so a 100k-token record aligns
+in tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Literal
+
+WHITESPACE = b" \t\n\r"
+"""The bytes the alignment ignores (what the template's trims and JSON re-spelling change)."""
+
+THINK_CLOSE_ID = 248069
+"""``</think>`` in the Qwen3.5/3.6 vocabulary."""
+
+TokenBytes = Callable[[int], "bytes | None"]
+Mode = Literal["exact", "glue", "reasoning"]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One generation in row positions: ``start`` the first generated row, ``think_close`` the
+    row of its first ``</think>`` (None: the generation never closed its reasoning), ``stop``
+    one past its last row."""
+
+    start: int
+    think_close: int | None
+    stop: int
+
+    @classmethod
+    def of_generation(cls, start: int, generated: Sequence[int],
+                      think_close_id: int = THINK_CLOSE_ID) -> Region:
+        """The region of ``generated`` (the tokens of one generation that are in the rows)
+        written from row ``start`` on."""
+        try:
+            close = start + list(generated).index(think_close_id)
+        except ValueError:
+            close = None
+        return cls(start, close, start + len(generated))
+
+    def shifted(self, by: int) -> Region:
+        return Region(self.start + by, None if self.think_close is None else self.think_close + by,
+                      self.stop + by)
+
+
+@dataclass
+class _Streams:
+    """A record's rows as non-whitespace bytes: ``data`` the concatenation, ``offsets[i]`` where
+    row i's bytes start (``offsets[len(rows)] == len(data)``), ``nonws`` each row's bytes."""
+
+    tb: TokenBytes
+    cache: dict[int, bytes]
+    nonws: list[bytes]
+    offsets: list[int]
+    data: bytes
+
+
+@dataclass
+class EndRecord:
+    """What the server keeps beside the end anchor: ``rows`` the token ids in place up to it,
+    ``hidden`` the spans ``[start, stop)`` of tokens the server forced in and the client never
+    saw, ``regions`` every generation in those rows (a conversation's accumulate turn after
+    turn). Treat as immutable: :meth:`extend` and :meth:`after_turn` return new records."""
+
+    rows: list[int]
+    hidden: list[tuple[int, int]] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+    _streams: _Streams | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.rows = list(self.rows)
+        self.hidden = sorted((int(a), int(b)) for a, b in self.hidden if b > a)
+        self.regions = sorted(self.regions, key=lambda r: r.start)
+        n = len(self.rows)
+        for a, b in self.hidden:
+            if not 0 <= a < b <= n:
+                raise ValueError(f"hidden span [{a}, {b}) is outside the {n} rows")
+        for r in self.regions:
+            if not 0 <= r.start <= r.stop <= n or (
+                    r.think_close is not None and not r.start <= r.think_close < r.stop):
+                raise ValueError(f"{r} is outside the {n} rows")
+
+    @property
+    def hidden_tokens(self) -> int:
+        return sum(b - a for a, b in self.hidden)
+
+    def extend(self, new_rows_tail: Sequence[int], new_region: Region | None = None,
+               new_hidden: Iterable[tuple[int, int]] = ()) -> EndRecord:
+        """The record of the next end anchor when a turn resumed at this one: these rows, then
+        ``new_rows_tail`` (what the turn forwarded and generated). ``new_region`` and
+        ``new_hidden`` are in row positions of the new record (the new generation starts at or
+        after ``len(self.rows)``). The old spans and regions are kept; the byte streams already
+        computed are carried forward."""
+        rec = EndRecord(self.rows + list(new_rows_tail), self.hidden + list(new_hidden),
+                        self.regions + ([new_region] if new_region is not None else []))
+        if self._streams is not None:
+            s = self._streams
+            rec._streams = _Streams(s.tb, s.cache, list(s.nonws), list(s.offsets), s.data)
+        return rec
+
+    @classmethod
+    def after_turn(cls, previous: EndRecord | None, served: Sequence[int],
+                   generated: Sequence[int], *, hidden_in_generated: Iterable[int] = (),
+                   think_close_id: int = THINK_CLOSE_ID,
+                   served_hidden: Iterable[tuple[int, int]] = ()) -> EndRecord:
+        """The record of a turn's end anchor. ``served``: the prompt the engine ran;
+        ``generated``: the generated tokens that are in the rows (the last one is not when the
+        generation ended by its length); ``hidden_in_generated``: positions in ``generated`` the
+        server forced and hid (:attr:`ReasoningBudget.hidden_positions`); ``served_hidden``:
+        spans of ``served`` the server put in that the client never sent (a router's note).
+
+        When ``served`` starts with the previous record's rows (an exact or aligned resume) the
+        previous spans and regions are kept; otherwise those wholly inside the prefix the two
+        share are kept."""
+        served = list(served)
+        generated = list(generated)
+        start = len(served)
+        region = Region.of_generation(start, generated, think_close_id)
+        hidden = list(served_hidden) + _runs(start + p for p in hidden_in_generated)
+        if previous is not None:
+            n = len(previous.rows)
+            if len(served) >= n and served[:n] == previous.rows:
+                return previous.extend(served[n:] + generated, region,
+                                       [h for h in hidden if h[0] >= n])
+            shared = common_prefix(previous.rows, served)
+            hidden = [h for h in previous.hidden if h[1] <= shared] + [
+                h for h in hidden if h[1] > shared]
+            regions = [r for r in previous.regions if r.stop <= shared]
+            return cls(served + generated, hidden, regions + [region])
+        return cls(served + generated, hidden, [region])
+
+    # -- the byte streams -----------------------------------------------------------------
+
+    def streams(self, token_bytes: TokenBytes) -> _Streams:
+        s = self._streams
+        if s is None or s.tb != token_bytes:
+            s = _Streams(token_bytes, {}, [], [0], b"")
+        if len(s.nonws) < len(self.rows):
+            tail = _nonws_list(self.rows[len(s.nonws):], s.cache, token_bytes)
+            base = s.offsets[-1]
+            s.nonws.extend(tail)
+            s.offsets.extend(base + x for x in accumulate(map(len, tail)))
+            s.data = s.data + b"".join(tail)
+        self._streams = s
+        return s
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """``served``: the prompt the engine runs, ``record.rows + prompt[cut:]``; ``cut``: where the
+    client's prompt goes on after the rows; ``mode``: the pass that aligned it;
+    ``replayed_hidden``: hidden tokens served that the copy lacked; ``replayed_reasoning``:
+    reasoning tokens (not hidden) served that the copy lacked."""
+
+    served: list[int]
+    cut: int
+    mode: Mode
+    replayed_hidden: int = 0
+    replayed_reasoning: int = 0
+
+
+def align(record: EndRecord, prompt: Sequence[int], token_bytes: TokenBytes, *,
+          allow_glue: bool = True, allow_reasoning: bool = True) -> Alignment | None:
+    """Whether ``prompt`` (the client's copy, tokenized) continues ``record``'s rows, and the
+    prompt to serve so that the engine resumes at the end anchor; None when no pass aligns it.
+    ``token_bytes(id)``: a token's bytes (a special token's text; None counts as no bytes).
+    ``allow_glue``/``allow_reasoning``: off switches for the second and third pass."""
+    rows = record.rows
+    n = len(rows)
+    prompt = prompt if isinstance(prompt, list) else list(prompt)
+    d = common_prefix(rows, prompt)
+    if d == n:
+        return Alignment(rows + prompt[n:], n, "exact")
+    if not allow_glue:
+        return None
+    streams = record.streams(token_bytes)
+    found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=False)
+    if found is None and allow_reasoning and any(
+            r.think_close is not None for r in record.regions):
+        found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=True)
+    if found is None:
+        return None
+    cut, hidden, reasoning = found
+    return Alignment(rows + prompt[cut:], cut, "reasoning" if reasoning else "glue",
+                     hidden, reasoning)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share (slices compared a block at a time)."""
+    n = min(len(a), len(b))
+    i, step = 0, 4096
+    while i < n:
+        j = min(n, i + step)
+        if a[i:j] == b[i:j]:
+            i = j
+            continue
+        while a[i] == b[i]:
+            i += 1
+        return i
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _nonws_list(ids: Sequence[int], cache: dict[int, bytes], token_bytes: TokenBytes) -> list[bytes]:
+    get = cache.get
+    out = [get(t) for t in ids]
+    if None in out:
+        for i, b in enumerate(out):
+            if b is None:
+                t = ids[i]
+                b = get(t)
+                if b is None:
+                    b = cache[t] = (token_bytes(t) or b"").translate(None, WHITESPACE)
+                out[i] = b
+    return out
+
+
+def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted positions as [start, stop) runs."""
+    spans: list[tuple[int, int]] = []
+    for p in sorted(set(positions)):
+        if spans and spans[-1][1] == p:
+            spans[-1] = (spans[-1][0], p + 1)
+        else:
+            spans.append((p, p + 1))
+    return spans
+
+
+def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
+                token_bytes: TokenBytes, reasoning: bool) -> tuple[int, int, int] | None:
+    """One byte-stream pass; (cut, hidden tokens replayed, reasoning tokens replayed) or None.
+
+    Rows ``[0, s)`` are the prompt's own tokens (s at most the first differing token), so spans
+    and regions wholly before ``s`` are in the copy as they are, and only the streams from ``s``
+    on are compared."""
+    rows = record.rows
+    n = len(rows)
+    hidden = [(a, b) for a, b in record.hidden if b > d]
+    thinks = [(r.start, r.think_close) for r in record.regions
+              if reasoning and r.think_close is not None and r.think_close > d
+              and r.think_close > r.start]
+    s = min([d] + [a for a, _ in hidden] + [a for a, _ in thinks])
+    off, data = streams.offsets, streams.data
+
+    # The rows from s as pieces: (region index or -1, start row, stop row), hidden rows left out.
+    cuts = {s, n}
+    for a, b in hidden + thinks:
+        cuts.add(a)
+        cuts.add(b)
+    points = sorted(cuts)
+    parts: list[tuple[int, list[bytes], int]] = []  # (think index or -1, bytes, rows)
+    replay_hidden = sum(b - a for a, b in hidden)
+    for a, b in zip(points, points[1:]):
+        if any(h0 <= a and b <= h1 for h0, h1 in hidden):
+            continue
+        tag = next((i for i, (t0, t1) in enumerate(thinks) if t0 <= a and b <= t1), -1)
+        chunk = data[off[a]:off[b]]
+        if parts and parts[-1][0] == tag:
+            parts[-1][1].append(chunk)
+            parts[-1] = (tag, parts[-1][1], parts[-1][2] + (b - a))
+        else:
+            parts.append((tag, [chunk], b - a))
+    pieces = [(tag, b"".join(chunks), count) for tag, chunks, count in parts]
+
+    tail = _nonws_list(prompt[s:], streams.cache, token_bytes)
+    pdata = b"".join(tail)
+    pos = 0
+    replay_reasoning = 0
+    for tag, chunk, count in pieces:
+        if pdata.startswith(chunk, pos):
+            pos += len(chunk)
+        elif tag >= 0:
+            replay_reasoning += count  # the copy leaves this region's reasoning out
+        else:
+            return None
+    if reasoning and replay_reasoning == 0:
+        return None  # the glue pass has said so already
+    # The match must end at a prompt token boundary.
+    if pos == 0:
+        cut = s
+    else:
+        cum = list(accumulate(map(len, tail)))
+        k = bisect_left(cum, pos)
+        if cum[k] != pos:
+            return None
+        cut = s + k + 1
+    # Whitespace-only tokens the rows end with: the copy's same whitespace is not served twice.
+    trail = bytearray()
+    i = n
+    while i > s and not streams.nonws[i - 1]:
+        i -= 1
+    for t in rows[i:]:
+        trail += token_bytes(t) or b""
+    have = bytearray()
+    while cut < len(prompt) and trail:
+        t = prompt[cut]
+        raw = token_bytes(t) or b""
+        if raw.translate(None, WHITESPACE) or not bytes(trail).startswith(bytes(have + raw)):
+            break
+        have += raw
+        cut += 1
+    return cut, replay_hidden, replay_reasoning
