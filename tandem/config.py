@@ -65,6 +65,14 @@ class ServerConfig(_Section):
     model: Annotated[str, Meta(min_length=1, description=(
         "Model to serve: 'tiny' (the embedded default, written under home) or a checkpoint "
         "directory."))] = "tiny"
+    max_reasoning_tokens: Annotated[int, Meta(ge=0, description=(
+        "Reasoning budget a request gets unless it names its own (max_reasoning_tokens): past "
+        "it the server closes the reasoning with a hidden phrase and </think>, and the answer "
+        "goes on. 0: no budget."))] = 0
+    allow_forced_output: Annotated[bool, Meta(description=(
+        "Accept the admin request field tandem_forced_output, which makes the engine write a "
+        "given answer (replay's forced mode). Only on a server no untrusted client reaches."
+        ))] = False
     record_dir: Annotated[str, Meta(description=(
         "Folder where sessions are recorded for replay, relative to home unless absolute; "
         "empty: recording off."))] = ""
@@ -106,6 +114,14 @@ class CacheConfig(_Section):
         "its newest anchors and its end anchor, GiB."))] = 4.0
     end_anchor: Annotated[bool, Meta(description=(
         "Keep the state at the end of the last answer so the next turn resumes there."
+        ))] = True
+    end_align: Annotated[bool, Meta(description=(
+        "Align a client's copy of the conversation with the end anchor's rows (re-tokenised "
+        "text, compacted tool-call JSON, hidden spans put back), so it resumes there."
+        ))] = True
+    end_align_reasoning: Annotated[bool, Meta(description=(
+        "Also align a copy that leaves an answer's reasoning out (Open WebUI): the rows' "
+        "reasoning is served, as the template renders it for a client that sends it."
         ))] = True
     cache_gb: Annotated[float, Meta(ge=0, description=(
         "Budget of the state store (whole snapshots in RAM), GiB."))] = 2.0

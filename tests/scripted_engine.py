@@ -45,7 +45,7 @@ class ScriptedEngine:
         raise TimeoutError("the test never let the next token out")
 
     def generate(self, prompt_ids, params: SamplingParams, on_token=None, should_cancel=None,
-                 ) -> GenerationResult:
+                 on_chunk=None, force=None) -> GenerationResult:
         self.threads.add(threading.get_ident())
         self.prompts.append(list(prompt_ids))
         self.running.set()
@@ -59,7 +59,10 @@ class ScriptedEngine:
             script = self.script(list(prompt_ids)) if callable(self.script) else self.script
             out: list[int] = []
             finish, stop_token = "stop", None
-            for token in script:
+            for scripted in script:
+                token = scripted
+                if force is not None and (forced := force(out)) is not None:
+                    token = forced
                 if len(out) >= params.max_tokens:
                     finish = "length"
                     break

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass
 import threading
 import traceback
 from collections import deque
@@ -48,6 +49,8 @@ from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.cache.resident import ResidentPrefix
+from tandem.server.endalign import Alignment, EndRecord, align
+from tandem.server.reasoning_budget import ReasoningBudget
 from tandem.engine import ContextOverflow, Engine, SamplingParams
 from tandem.models.base import ModelError
 
@@ -71,10 +74,24 @@ class _Job:
                                      stop_token_ids=tuple(p.stop_token_ids))
         self.reply_to = msg.reply_to
         self.session = msg.session
+        self.max_reasoning_tokens = p.max_reasoning_tokens
+        self.forced_ids = p.forced_ids
         self.accepted_s = accepted_s
         self.cancel = threading.Event()
         self.phase = "waiting"  # waiting -> prefill -> decode
         self.generated = 0
+
+
+@dataclass
+class _Outcome:
+    """What a finished job hands back from the engine thread."""
+
+    result: Any  # tandem.engine.GenerationResult
+    source: str
+    guest: bool
+    reread: int
+    alignment: Alignment | None
+    budget: ReasoningBudget | None
 
 
 class _Outside:
@@ -89,15 +106,24 @@ class _Outside:
 class EngineActor(Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
-                 queue_limit: int = 16, retry_after_s: float = 1.0,
+                 tokenizer: Any = None, end_align: bool = True,
+                 end_align_reasoning: bool = True, queue_limit: int = 16, retry_after_s: float = 1.0,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
+        ``tokenizer`` gives the token bytes the end alignment compares and the reasoning
+        budget's phrase (None: neither);
         ``queue_limit``: generations that may wait beyond the running one."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._make_engine = make_engine
         self._make_resident = make_resident
         self.resident: ResidentPrefix | None = None
+        self.tokenizer = tokenizer
+        self.end_align = end_align and tokenizer is not None
+        self.end_align_reasoning = end_align_reasoning
+        # Beside the resident end anchor: its rows' tokens, generation regions and hidden
+        # spans (engine thread only).
+        self._record: EndRecord | None = None
         # The caches' counters as the engine thread last published them (after each
         # generation): the loop reads this dict, never the tiers' live state.
         self.cache_stats: dict = {"tiers": {}}
@@ -294,37 +320,83 @@ class EngineActor(Actor):
         self._running = self._loop.run_in_executor(self._executor, self._generate, job)
         self._running.add_done_callback(lambda fut: self._done(job, fut))
 
-    def _generate(self, job: _Job) -> Any:
+    def _generate(self, job: _Job) -> "_Outcome":
         """On the engine thread: the whole generation, tokens posted to the loop as they come."""
         assert self.engine is not None
+        engine, resident = self.engine, self.resident
+        budget = None
+        if job.max_reasoning_tokens > 0 and self.tokenizer is not None:
+            budget = ReasoningBudget.for_tokenizer(self.tokenizer, job.max_reasoning_tokens)
+        force = budget
+        if job.forced_ids:
+            forced = job.forced_ids
+
+            def force(out: list[int]) -> int | None:
+                return forced[len(out)] if len(out) < len(forced) else None
 
         def on_token(token_id: int) -> bool:
             index = job.generated
             job.generated = index + 1
             job.phase = "decode"
-            self._post(job, TokenGenerated(job.request_id, token_id, index))
+            hidden = budget is not None and index in budget.hidden_positions
+            self._post(job, TokenGenerated(job.request_id, token_id, index, hidden))
             return False
 
-        resident = self.resident
         if resident is None:
-            result = self.engine.generate(job.prompt_ids, job.params, on_token=on_token,
-                                          should_cancel=job.cancel.is_set)
-            return result, "engine" if result.reused_tokens else "cold", False
-        resume = resident.begin(job.prompt_ids, job.params.max_tokens, job.session)
+            result = engine.generate(job.prompt_ids, job.params, on_token=on_token,
+                                     should_cancel=job.cancel.is_set, force=force)
+            return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
+                            len(job.prompt_ids) - result.reused_tokens, None, budget)
+        alignment = self._align(job.prompt_ids)
+        served = alignment.served if alignment is not None else job.prompt_ids
+        resume = resident.begin(served, job.params.max_tokens, job.session)
         try:
-            result = self.engine.generate(job.prompt_ids, job.params, on_token=on_token,
-                                          should_cancel=job.cancel.is_set,
-                                          on_chunk=resident.on_chunk)
+            result = engine.generate(served, job.params, on_token=on_token,
+                                     should_cancel=job.cancel.is_set,
+                                     on_chunk=resident.on_chunk, force=force)
         except BaseException:
             # The rows in place are not trusted after a failed forward; a guest's stash goes
             # back, anything else starts again from token 0.
             resident.abort()
+            self._record = None
             self._publish_cache_stats()
             raise
         resident.finish()
         resident.check_invariants()
+        if not resume.guest:
+            self._remember_end(served, result, budget)
         self._publish_cache_stats()
-        return result, resume.source, resume.guest
+        if alignment is not None and alignment.served is job.prompt_ids:
+            alignment = None
+        return _Outcome(result, resume.source, resume.guest, len(served) - resume.start,
+                        alignment, budget)
+
+    def _align(self, prompt: list[int]) -> Alignment | None:
+        """The client's copy met against the end anchor's rows: the prompt to serve so that the
+        engine resumes there (hidden spans put back, re-tokenised text and stripped reasoning
+        aligned), or None to serve the copy as it came."""
+        record, resident = self._record, self.resident
+        if (not self.end_align or record is None or resident.end is None
+                or resident.end.length != len(record.rows)):
+            return None
+        alignment = align(record, prompt, self.tokenizer.token_bytes,
+                          allow_reasoning=self.end_align_reasoning)
+        if alignment is None or len(alignment.served) <= len(record.rows):
+            return None  # nothing new to forward: serve the copy as it came
+        return alignment
+
+    def _remember_end(self, served: list[int], result: Any, budget: Any) -> None:
+        resident = self.resident
+        if resident.end is None or resident.end.length != self.engine.length:
+            self._record = None
+            return
+        in_rows = result.token_ids[:self.engine.length - len(served)]
+        hidden = budget.hidden_positions if budget is not None else ()
+        previous = self._record
+        if previous is not None and self.engine.token_ids[:len(previous.rows)] != previous.rows:
+            previous = None
+        self._record = EndRecord.after_turn(previous, served, in_rows,
+                                            hidden_in_generated=hidden)
 
     def _post(self, job: _Job, msg: Message) -> None:
         """From the engine thread to the loop."""
@@ -359,14 +431,22 @@ class EngineActor(Actor):
                 except (MailboxFull, ActorStopped):
                     pass  # the next message raises the fault; a stopped actor needs no nudge
         else:
-            result, source, guest = fut.result()
+            outcome = fut.result()
+            result = outcome.result
             self.finished_total += 1
             self._emit(job.reply_to, GenerationFinished(
                 request_id=job.request_id, finish_reason=result.finish_reason,
                 prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids),
                 reused_tokens=result.reused_tokens, prefill_ms=result.prefill_ms,
                 decode_ms=result.decode_ms, decode_tok_s=result.decode_tok_s,
-                stop_token=result.stop_token, cache_source=source, guest=guest), job)
+                stop_token=result.stop_token, cache_source=outcome.source, guest=outcome.guest,
+                reread_tokens=outcome.reread,
+                aligned=outcome.alignment.mode if outcome.alignment else None,
+                end_replayed=(outcome.alignment.replayed_hidden
+                              + outcome.alignment.replayed_reasoning
+                              if outcome.alignment else 0),
+                hidden_tokens=len(outcome.budget.hidden_positions) if outcome.budget else 0),
+                job)
         if self._fault is None and self.state != "stopped":
             self._pump()
         if self._draining and not self.busy:

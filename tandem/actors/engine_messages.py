@@ -27,6 +27,12 @@ class GenerationParams(msgspec.Struct, frozen=True):
     top_k: int = 0  # 0: every token
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Past this many reasoning tokens the engine closes the reasoning with a hidden phrase
+    # and </think>, and the answer goes on (0: no budget).
+    max_reasoning_tokens: int = 0
+    # An admin's forced continuation (replay's forced mode): the engine writes these ids
+    # first, then samples on.
+    forced_ids: tuple[int, ...] = ()
 
 
 # -- generation ------------------------------------------------------------------------------
@@ -83,6 +89,7 @@ class TokenGenerated(Message):
     request_id: str
     token_id: int
     index: int  # 0 for the first generated token
+    hidden: bool = False  # in the rows, never shown to the client nor counted in usage
 
 
 class GenerationFinished(Message):
@@ -103,6 +110,10 @@ class GenerationFinished(Message):
     stop_token: int | None = None
     cache_source: str = "cold"
     guest: bool = False
+    reread_tokens: int = 0  # tokens the prefill forwarded
+    aligned: str | None = None  # how the client's copy met the end anchor (exact, glue, reasoning)
+    end_replayed: int = 0  # hidden and reasoning rows served that the client's copy lacks
+    hidden_tokens: int = 0  # generated tokens the client never sees
 
 
 class GenerationFailed(Message):

@@ -48,6 +48,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
             num_threads=e.num_threads), make_resident=partial(make_resident, config),
+            tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
+            end_align_reasoning=config.cache.end_align_reasoning,
             queue_limit=config.server.queue_limit)
     supervisor = Supervisor()
     supervisor.add(engine)

@@ -156,6 +156,8 @@ class Run:
             match msg:
                 case GenerationStarted():
                     pass
+                case TokenGenerated(hidden=True):
+                    pass  # in the rows, never in the answer nor in usage
                 case TokenGenerated(token_id=token_id):
                     if self.client_gone():
                         raise ClientGone
@@ -207,7 +209,10 @@ class Run:
 
     @property
     def cached_tokens(self) -> int:
-        return self.result.reused_tokens if self.result is not None else 0
+        """The client's prompt tokens that were not forwarded (OpenAI's cached_tokens)."""
+        if self.result is None:
+            return 0
+        return max(0, len(self.prompt_ids) - self.result.reread_tokens)
 
     @property
     def cache_source(self) -> str:
@@ -215,15 +220,21 @@ class Run:
 
     def usage(self) -> dict:
         prompt = len(self.prompt_ids)
-        cached = self.cached_tokens
         source = self.cache_source
+        r = self.result
+        # cached and reread in the served prompt's positions (the spec's usage split); the
+        # served prompt differs from the client's where the end alignment put rows back.
+        cache = {"tier": None if source == "cold" else "resident", "source": source,
+                 "cached": r.reused_tokens if r else 0, "reread": r.reread_tokens if r else 0}
+        if r is not None and r.aligned:
+            cache["aligned"] = r.aligned
+            cache["end_replayed"] = r.end_replayed
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "tandem": {"cache": {"tier": None if source == "cold" else "resident",
-                                 "source": source, "cached": cached, "reread": prompt - cached}},
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "tandem": {"cache": cache},
         }
 
     def close(self, status: int, error_code: str | None = None) -> None:
@@ -253,11 +264,26 @@ class Run:
         self.state.journal.append(RequestRow(
             request_id=self.request_id, t=time.time(), session=self.session,
             route=self.route, prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-            cached_tokens=cached, reread_tokens=prompt - cached if ran else 0,
+            cached_tokens=cached, reread_tokens=self.result.reread_tokens if ran else 0,
             cache_source=self.cache_source if ran else None,
             ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
             decode_tok_s=round(self.result.decode_tok_s, 3) if ran else None,
-            finish_reason=self.finish_reason, status=status, error=error_code))
+            finish_reason=self.finish_reason, status=status, error=error_code,
+            extra=self._extra()))
+
+    def _extra(self) -> dict | None:
+        r = self.result
+        if r is None:
+            return None
+        extra = {}
+        if r.aligned:
+            extra["aligned"] = r.aligned
+            extra["end_replayed"] = r.end_replayed
+        if r.hidden_tokens:
+            extra["hidden_tokens"] = r.hidden_tokens
+        if r.guest:
+            extra["guest"] = True
+        return extra or None
 
 
 def _failure_error(msg: GenerationFailed) -> ApiError:

@@ -110,7 +110,21 @@ def _params(req: _Sampling, state: ServerState, limit: int | None, room: int,
         top_k=max(top_k, 0),
         seed=req.seed,
         stop_token_ids=tuple(state.tokenizer.eos_ids),
+        max_reasoning_tokens=(req.max_reasoning_tokens if req.max_reasoning_tokens is not None
+                              else state.config.server.max_reasoning_tokens),
+        forced_ids=_forced_ids(req, state),
     )
+
+
+def _forced_ids(req: _Sampling, state: ServerState) -> tuple[int, ...]:
+    if req.tandem_forced_output is None:
+        return ()
+    if not state.config.server.allow_forced_output:
+        raise ApiError(403, "tandem_forced_output is an admin field; this server does not allow "
+                       "it (allow_forced_output)", param="tandem_forced_output",
+                       type="permission_error", code="forced_output_not_allowed")
+    tok = state.tokenizer
+    return tuple(tok.encode(req.tandem_forced_output)) + (tok.special_ids["<|im_end|>"],)
 
 
 def _check_window(num_tokens: int, window: int, param: str) -> None:

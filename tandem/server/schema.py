@@ -38,6 +38,11 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: PositiveInt | None = None
+    # tandem's reasoning budget: past it the reasoning is closed with a hidden phrase (0: none)
+    max_reasoning_tokens: Annotated[int, Meta(ge=0)] | None = None
+    # Admin only (server knob allow_forced_output): text the engine is made to write, then
+    # <|im_end|>. Replay's forced mode uses it to make the rows hold a recorded answer.
+    tandem_forced_output: str | None = None
 
     @property
     def include_usage(self) -> bool:

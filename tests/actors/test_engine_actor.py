@@ -87,8 +87,10 @@ async def test_cancel_stops_a_running_generation_at_its_next_token():
         await client.expect(TokenGenerated)
         snap = actor.snapshot()
         assert snap["request"]["id"] == "r1" and snap["request"]["phase"] == "decode"
+        engine.step(1)
+        await client.expect(TokenGenerated)
+        # The engine now waits for its fourth token: the cancel is seen there.
         await harness.inject("engine", CancelGeneration("r1"))
-        engine.step(1)  # the token in progress comes out, then the cancel is seen
         done = await client.expect(GenerationFinished)
         assert done.finish_reason == "cancelled" and done.completion_tokens == 3
         actor.check_invariants()

@@ -1,0 +1,120 @@
+"""Real clients' conversations through the HTTP server with the OpenAI SDK, on the small real
+model. The engine is made to write realistic answers (reasoning, tool calls) through the admin
+field tandem_forced_output; every later turn must resume at the end anchor (greedy gate: these
+states were written by decoding), through the end alignment where the client's copy differs
+from the rows (re-tokenised text, compacted tool-call JSON, stripped reasoning)."""
+
+import json
+
+import pytest
+
+from tandem.server.app import build_app
+
+SYSTEM = ("You are opencode, an interactive CLI agent for software engineering tasks. "
+          "Working directory: /home/user/project. Today's date: 2026-11-29. " * 12)
+TOOLS = [{"type": "function", "function": {
+    "name": name, "description": f"The {name} tool. " * 6,
+    "parameters": {"type": "object", "properties": {
+        "filePath": {"type": "string", "description": "Absolute path of the file"},
+        "limit": {"type": "integer", "description": "Lines to read"}},
+        "required": ["filePath"]}}}
+    for name in ("read", "write", "edit", "bash", "glob", "grep", "list", "patch", "todo", "web")]
+
+
+@pytest.fixture
+async def server(small_loaded, make_config, serve):
+    app = build_app(make_config(allow_forced_output=True, window=8192), small_loaded)
+    async with serve(app) as server:
+        yield server
+
+
+def _cache(resp) -> dict:
+    return resp.usage.model_extra["tandem"]["cache"]
+
+
+async def _chat(client, messages, forced, **kw):
+    extra = {"tandem_forced_output": forced, **kw.pop("extra_body", {})}
+    return await client.chat.completions.create(model="small", messages=messages,
+                                                max_tokens=200, temperature=0,
+                                                extra_body=extra, **kw)
+
+
+async def test_an_opencode_conversation_resumes_every_turn_at_the_end_anchor(server, sdk):
+    client = sdk(server)
+    headers = {"x-session-id": "ses_opencode_1"}
+    messages = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "Fix the failing test in src/app.py"}]
+    first = await _chat(client, messages, "The test is in src/app.py; I should read it.\n"
+                        "</think>\n\n<tool_call>\n{\"name\": \"read\", \"arguments\": "
+                        "{\"filePath\": \"/home/user/project/src/app.py\"}}\n</tool_call>",
+                        tools=TOOLS, extra_headers=headers)
+    assert _cache(first)["source"] == "cold"
+    msg = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert msg.tool_calls[0].function.name == "read"
+    # The title request of the first turn: its own system text, no tools: a guest.
+    title = await _chat(client, [{"role": "system", "content": "Generate a short title."},
+                                 {"role": "user", "content": "Fix the failing test"}],
+                        "Title.\n</think>\n\nFixing a failing test", extra_headers=headers)
+    assert title.choices[0].message.content == "Fixing a failing test"
+    results = ["def add(a, b):\n    return a - b\n", "1 failed: test_add expected 3 got -1"]
+    prompt_before = first.usage.prompt_tokens
+    for turn, result in enumerate(results):
+        # opencode sends the reasoning back as reasoning_content and the arguments compacted.
+        call = msg.tool_calls[0]
+        args = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
+        messages += [{"role": "assistant", "content": msg.content or "",
+                      "reasoning_content": msg.model_extra["reasoning_content"],
+                      "tool_calls": [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name,
+                                                   "arguments": args}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": result}]
+        resp = await _chat(client, messages, f"Step {turn + 2}: run the tests.\n</think>\n\n"
+                           "<tool_call>\n{\"name\": \"bash\", \"arguments\": {\"filePath\": "
+                           "\"pytest -q\"}}\n</tool_call>", tools=TOOLS, extra_headers=headers)
+        cache = _cache(resp)
+        assert cache["source"] == "end", cache
+        # Only the tool result and the template's glue are forwarded, not the history.
+        assert cache["reread"] < 60, cache
+        assert resp.usage.prompt_tokens > prompt_before
+        assert resp.usage.prompt_tokens_details.cached_tokens == resp.usage.prompt_tokens \
+            - cache["reread"]
+        prompt_before = resp.usage.prompt_tokens
+        msg = resp.choices[0].message
+
+
+async def test_an_open_webui_chat_without_its_reasoning_resumes_at_the_end_through_alignment(
+        server, sdk):
+    client = sdk(server)
+    question = ("Here is my essay draft; tell me what to improve. " + "The essay text. " * 300)
+    messages = [{"role": "user", "content": question}]
+    first = await _chat(client, messages, "The user wants feedback on the essay.\n</think>\n\n"
+                        "Your essay repeats one sentence; vary it.")
+    answer = first.choices[0].message
+    assert answer.content == "Your essay repeats one sentence; vary it."
+    assert answer.model_extra["reasoning_content"]
+    for turn in range(2):
+        # The follow-up suggestions request: one user message holding the chat as text.
+        follow = await _chat(client, [{"role": "user", "content": "Suggest 3 follow-up "
+                                       "questions for this chat: ### Task ..."}],
+                             "Ok.\n</think>\n\n[\"Why?\", \"How?\", \"What next?\"]")
+        assert _cache(follow)["source"] == "cold"
+        # Open WebUI sends the answer back with its reasoning stripped.
+        messages += [{"role": "assistant", "content": answer.content},
+                     {"role": "user", "content": f"Thanks. Question {turn}: and the ending?"}]
+        resp = await _chat(client, messages, f"Answer {turn}.\n</think>\n\nEnd it with a "
+                           "question.")
+        cache = _cache(resp)
+        assert cache["source"] == "end", cache
+        assert cache["aligned"] == "reasoning"
+        assert cache["end_replayed"] > 0 and cache["reread"] < 40
+        answer = resp.choices[0].message
+
+
+async def test_forced_output_is_refused_unless_the_server_allows_it(small_loaded, make_config,
+                                                                    serve, sdk):
+    app = build_app(make_config(), small_loaded)
+    async with serve(app) as server:
+        with pytest.raises(Exception) as info:
+            await _chat(sdk(server), [{"role": "user", "content": "Hi"}], "forced")
+        assert info.value.status_code == 403
