@@ -1,4 +1,5 @@
-"""A small system for the console tests: three actors, a fake engine, journal and cache stats.
+"""A small system for the console tests: three actors, a fake engine, journal and cache stats
+(with a resident tier).
 
     server --Work--> frontend --Lookup (ask)--> backend
                      frontend --Done--> recorder
@@ -87,6 +88,47 @@ class FakeEngine:
         }
 
 
+class FakeCacheStats:
+    """app[CACHE_STATS]: {"tiers": {...}} with a resident tier shaped like
+    ResidentPrefix.statistics() (tandem/cache/resident.py), in step with FakeEngine (rows 3000,
+    taint 2900, prefix_chunk 512). Tests change `resident` in place; None sends no tier at all,
+    as a server from before the resident prefix did."""
+
+    def __init__(self, *, resident: bool = True) -> None:
+        self.resident: dict[str, Any] | None = None
+        if resident:
+            self.resident = {
+                "rows_in_place": 3000,
+                "anchors": [512, 1024, 1536, 2048, 2560],
+                "anchor_bytes": 5 * 1_048_576,
+                "anchors_taken": 5,
+                "evictions": 0,
+                "hits": 4,
+                "cold": 1,
+                "end": 3000,
+                "ends": 2,
+                "end_hits": 1,
+                "taint": 2900,
+                "guests": 0,
+                "guest_refused": 0,
+                "stash_bytes": 0,
+                "pinned": 1024,
+                "pinned_anchors": [512, 1024],
+                "pins": 1,
+                "pin_hits": 0,
+                "pin_bytes": 3 * 1_048_576,
+                "parked": {"head": 1024, "rows": 5200, "end": 5200},
+                "parks": 1,
+                "park_hits": 0,
+                "park_bytes": 9 * 1_048_576,
+            }
+
+    def __call__(self) -> dict[str, Any]:
+        if self.resident is None:
+            return {"tiers": {}}
+        return {"tiers": {"resident": dict(self.resident)}}
+
+
 class FakeJournal:
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = [
@@ -120,14 +162,18 @@ def build_system(harness: Harness) -> None:
 
 def console_app(
     harness: Harness, *, engine: FakeEngine | None = None, journal: FakeJournal | None = None,
-    clock: Any = None,
+    cache: FakeCacheStats | None = None, clock: Any = None,
 ) -> web.Application:
+    """With a journal and no `cache`, the cache stats are a default FakeCacheStats()."""
     app = web.Application()
     app[SUPERVISOR] = harness.supervisor
     if engine is not None:
         app[ENGINE] = engine
     if journal is not None:
         app[JOURNAL] = journal
-        app[CACHE_STATS] = lambda: {"tiers": {}}
+        if cache is None:
+            cache = FakeCacheStats()
+    if cache is not None:
+        app[CACHE_STATS] = cache
     add_console_routes(app, clock=clock)
     return app

@@ -22,7 +22,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from console_fakes import ACTOR_NAMES, Done, FakeEngine, FakeJournal, Work, console_app, build_system
+from console_fakes import (
+    ACTOR_NAMES,
+    Done,
+    FakeCacheStats,
+    FakeEngine,
+    FakeJournal,
+    Work,
+    build_system,
+    console_app,
+)
 
 from tandem.actors import SystemClock
 from tandem.actors.harness import Harness
@@ -174,6 +183,30 @@ def row(actor: str, field: str) -> str:
     return f'document.querySelector(\'#actors tr[data-actor="{actor}"] td[data-field="{field}"]\')'
 
 
+# The resident prefix as the page drew it over the rows bar, read back from the data- attributes.
+RESIDENT = """(() => {
+    const q = (s) => document.querySelector(s);
+    const lines = (root) => root ? [...root.querySelectorAll("[data-line]")].map((i) => Number(i.dataset.line)) : [];
+    const pin = q("#resident-pin"), park = q("#resident-park"), end = q("#resident-end");
+    const stash = q("#resident-stash"), parkEnd = park && park.querySelector("i.end[data-pos]");
+    return {
+        anchors: lines(q("#resident-anchors")),
+        end: end ? Number(end.dataset.pos) : null,
+        pin: pin ? { rows: Number(pin.dataset.rows), anchors: lines(pin) } : null,
+        park: park ? { head: Number(park.dataset.head), rows: Number(park.dataset.rows),
+                       end: "end" in park.dataset ? Number(park.dataset.end) : null,
+                       end_marker: parkEnd ? Number(parkEnd.dataset.pos) : null } : null,
+        stash: stash ? Number(stash.dataset.bytes) : null,
+        keys: [...document.querySelectorAll("#engine-key [data-key]")].map((k) => k.dataset.key),
+    };
+})()"""
+
+
+def resident_when(condition: str) -> str:
+    """A wait_for condition: RESIDENT once `condition` (JS, over `r`) holds."""
+    return f"(r => ({condition}) && r)({RESIDENT})"
+
+
 async def test_the_console_shows_every_actor_the_engine_the_journal_and_the_cache(tmp_path):
     harness = Harness(clock=SystemClock())
     build_system(harness)
@@ -229,9 +262,34 @@ async def test_the_console_shows_every_actor_the_engine_the_journal_and_the_cach
                 '[...document.querySelectorAll("#journal tbody tr")].map((tr) => tr.dataset.requestId)'
             )
             assert journal == [f"req-{i}" for i in range(24, 4, -1)]  # the last 20, newest first
-            assert await page.evaluate('document.getElementById("cache").textContent') == (
-                "no cache tiers yet"
+            assert await page.evaluate(
+                '[...document.querySelectorAll("#cache section.tier")].map((t) => t.dataset.tier)'
+            ) == ["resident"]
+            assert await page.evaluate(
+                'document.querySelector(\'#cache [data-tier=resident] dd[data-counter="end_hits"]\').textContent'
+            ) == "1"
+
+            assert await page.evaluate(RESIDENT) == {
+                "anchors": [512, 1024, 1536, 2048, 2560],
+                "end": 3000,
+                "pin": {"rows": 1024, "anchors": [512, 1024]},
+                "park": {"head": 1024, "rows": 5200, "end": 5200, "end_marker": 5200},
+                "stash": None,  # stash_bytes == 0
+                "keys": ["rows", "taint", "anchor", "end", "pin", "park"],
+            }
+            geometry = await page.evaluate(
+                """(() => { const box = (s) => document.querySelector(s).getBoundingClientRect();
+                   const bar = box("#engine-rows");
+                   return { anchor: document.querySelector('#resident-anchors [data-line="512"]').style.left,
+                            end: document.getElementById("resident-end").style.left,
+                            pin: box("#resident-pin span").width / bar.width,
+                            pin_top: box("#resident-pin span").top, park_top: box("#resident-park span.rows").top,
+                            bar_bottom: bar.bottom }; })()"""
             )
+            assert float(geometry["anchor"].rstrip("%")) == pytest.approx(100 * 512 / 8192, abs=0.001)
+            assert float(geometry["end"].rstrip("%")) == pytest.approx(100 * 3000 / 8192, abs=0.001)
+            assert geometry["pin"] == pytest.approx(1024 / 8192, abs=0.01)
+            assert geometry["bar_bottom"] < geometry["pin_top"] < geometry["park_top"]  # lanes under the bar
             assert page.exceptions == []
 
 
@@ -269,6 +327,61 @@ async def test_the_console_numbers_move_when_messages_flow(tmp_path):
             assert "idle" in await page.evaluate(
                 'document.getElementById("engine-request").textContent'
             )
+            assert page.exceptions == []
+
+
+async def test_the_resident_markers_move_with_the_cache_stats(tmp_path):
+    harness = Harness(clock=SystemClock())
+    build_system(harness)
+    engine = FakeEngine()
+    cache = FakeCacheStats()
+    assert cache.resident is not None
+    async with harness:
+        app = console_app(harness, engine=engine, journal=FakeJournal(), cache=cache)
+        async with serve(app) as base, chromium(tmp_path) as page:
+            await page.call("Page.navigate", url=f"{base}/console")
+            assert (await page.wait_for(resident_when("r.end === 3000")))["pin"]["rows"] == 1024
+
+            # A longer conversation: more anchors, a longer head pinned, a guest in (stash held),
+            # the parked session without its end anchor.
+            engine.rows_in_place = 4096
+            cache.resident.update(
+                rows_in_place=4096, anchors=[512, 1024, 1536, 2048, 2560, 3072, 3584], end=4096,
+                pinned=2048, pinned_anchors=[512, 1024, 1536, 2048], stash_bytes=3 * 1_048_576,
+                parked={"head": 2048, "rows": 6000, "end": None},
+            )
+            moved = await page.wait_for(resident_when("r.end === 4096 && r.stash !== null"))
+            assert moved == {
+                "anchors": [512, 1024, 1536, 2048, 2560, 3072, 3584],
+                "end": 4096,
+                "pin": {"rows": 2048, "anchors": [512, 1024, 1536, 2048]},
+                "park": {"head": 2048, "rows": 6000, "end": None, "end_marker": None},
+                "stash": 3 * 1_048_576,
+                "keys": ["rows", "taint", "anchor", "end", "pin", "park", "stash"],
+            }
+            assert "3.0 MiB" in await page.evaluate('document.getElementById("resident-stash").textContent')
+            assert await page.evaluate(  # 3072 and 3584 are above the taint (2900)
+                '[...document.querySelectorAll("#resident-anchors i.above-taint")].map((i) => i.dataset.line)'
+            ) == ["3072", "3584"]
+
+            # Everything let go: no end, nothing pinned or parked, the guest gone.
+            cache.resident.update(anchors=[512], end=None, pinned=None, pinned_anchors=[],
+                                  parked=None, stash_bytes=0)
+            cleared = await page.wait_for(resident_when("r.anchors.length === 1 && r.end === null"))
+            assert cleared == {"anchors": [512], "end": None, "pin": None, "park": None, "stash": None,
+                               "keys": ["rows", "taint", "anchor"]}
+
+            # An older server: a resident tier with most fields missing or odd, then none at all.
+            cache.resident = {"anchors": [1024, "x"], "parked": {"head": 512}, "pinned": "?"}
+            partial = await page.wait_for(resident_when("r.anchors[0] === 1024"))
+            assert partial["anchors"] == [1024] and partial["pin"] is None and partial["park"] is None
+            cache.resident = None
+            await page.wait_for('!document.getElementById("resident") && '
+                                '!document.querySelector("#cache [data-tier]")')
+            assert await page.evaluate('document.getElementById("engine-rows").dataset.rows') == "4096"
+            assert await page.evaluate(
+                '[...document.querySelectorAll("#engine-key [data-key]")].map((k) => k.dataset.key)'
+            ) == ["rows", "taint"]
             assert page.exceptions == []
 
 

@@ -61,7 +61,11 @@ async def test_actors_document_lists_every_actor_the_graph_engine_journal_and_ca
     assert doc["engine"]["request"]["id"] == "req-7"
     assert len(doc["journal"]) == 20
     assert doc["journal"][-1]["request_id"] == "req-24"  # newest last
-    assert doc["cache"] == {"tiers": {}}
+    resident = doc["cache"]["tiers"]["resident"]  # what the page draws over the rows bar
+    assert resident["anchors"] == [512, 1024, 1536, 2048, 2560]
+    assert resident["end"] == 3000
+    assert resident["pinned"] == 1024 and resident["pinned_anchors"] == [512, 1024]
+    assert resident["parked"] == {"head": 1024, "rows": 5200, "end": 5200}
     assert doc["errors"] == {}
 
 
