@@ -9,6 +9,7 @@ import json
 import pytest
 
 from tandem.server.app import build_app
+from tandem.server.keys import CACHE_STATS
 
 SYSTEM = ("You are opencode, an interactive CLI agent for software engineering tasks. "
           "Working directory: /home/user/project. Today's date: 2026-11-29. " * 12)
@@ -109,6 +110,8 @@ async def test_an_open_webui_chat_without_its_reasoning_resumes_at_the_end_throu
         assert cache["aligned"] == "reasoning"
         assert cache["end_replayed"] > 0 and cache["reread"] < 40
         answer = resp.choices[0].message
+    stats = server.app[CACHE_STATS]()["tiers"]["resident"]
+    assert stats["alignments"] == {"reasoning": 2} and stats["guests"] == 2
 
 
 async def test_forced_output_is_refused_unless_the_server_allows_it(small_loaded, make_config,
