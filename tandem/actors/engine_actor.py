@@ -124,6 +124,8 @@ class EngineActor(Actor):
         # Beside the resident end anchor: its rows' tokens, generation regions and hidden
         # spans (engine thread only).
         self._record: EndRecord | None = None
+        self._alignments: dict[str, int] = {}  # how copies met the end anchor, by mode
+        self._replays = 0  # turns whose copy lacked hidden spans that were put back
         # The caches' counters as the engine thread last published them (after each
         # generation): the loop reads this dict, never the tiers' live state.
         self.cache_stats: dict = {"tiers": {}}
@@ -164,7 +166,10 @@ class EngineActor(Actor):
 
     def _publish_cache_stats(self) -> None:
         if self.resident is not None:
-            self.cache_stats = {"tiers": {"resident": self.resident.statistics()}}
+            resident = self.resident.statistics()
+            resident["alignments"] = dict(self._alignments)
+            resident["replays"] = self._replays
+            self.cache_stats = {"tiers": {"resident": resident}}
 
     async def on_stop(self) -> None:
         for job in list(self._jobs.values()):
@@ -383,6 +388,9 @@ class EngineActor(Actor):
                           allow_reasoning=self.end_align_reasoning)
         if alignment is None or len(alignment.served) <= len(record.rows):
             return None  # nothing new to forward: serve the copy as it came
+        self._alignments[alignment.mode] = self._alignments.get(alignment.mode, 0) + 1
+        if alignment.replayed_hidden:
+            self._replays += 1
         return alignment
 
     def _remember_end(self, served: list[int], result: Any, budget: Any) -> None:
