@@ -1,4 +1,4 @@
-"""``tandem``: serve, generate. ``python -m tandem`` is the same program."""
+"""``tandem``: serve, generate, replay. ``python -m tandem`` is the same program."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def _generate_parser(sub) -> argparse.ArgumentParser:
 def _serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Serve the model over an OpenAI-compatible HTTP API.")
+    p.add_argument("--record", dest="record_dir", default=None, metavar="DIR",
+                   help="record every request for `tandem replay` (the record_dir knob)")
     add_config_flags(p)
     return p
 
@@ -111,10 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    from tandem.replay.main import add_replay_parser
+
+    add_replay_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return generate_main(args)
+        if args.command == "replay":
+            from tandem.replay.main import replay_main
+
+            return replay_main(args)
         from tandem.serve import serve_main
 
         return serve_main(args)
