@@ -97,6 +97,9 @@ class EngineConfig(_Section):
 class CacheConfig(_Section):
     """Cache tiers and their budgets (spec: caches.txt); sizes in GiB unless named otherwise."""
 
+    caches: Annotated[bool, Meta(description=(
+        "Serve through the caches; false serves every request from the engine alone (the "
+        "baseline replay --compare measures the caches against)."))] = True
     resident_gb: Annotated[float, Meta(ge=0, description=(
         "Budget of the resident prefix anchors in host memory, GiB."))] = 2.5
     resident_guest_max: Annotated[int, Meta(ge=0, description=(
@@ -127,6 +130,38 @@ class CacheConfig(_Section):
         "Budget of the state store (whole snapshots in RAM), GiB."))] = 2.0
     store_entry_gb: Annotated[float, Meta(ge=0, description=(
         "Largest single snapshot the state store keeps, GiB."))] = 1.0
+    store: Annotated[bool, Meta(description=(
+        "Keep whole snapshots in the state store: a prefix snapshot at a prefill's grid line "
+        "and a session snapshot after each turn."))] = True
+    store_boundaries: Annotated[int, Meta(ge=0, description=(
+        "Prefix snapshots a prefill takes: the longest N grid lines whose snapshot fits "
+        "store_entry_gb; 0 takes one at every line (they fill the budget fast)."))] = 1
+    session_trim: Annotated[bool, Meta(description=(
+        "Cut a pending speculative commit back to the committed tokens before a session "
+        "snapshot. tandem's engine does not speculate, so nothing is ever pending: no effect "
+        "today."))] = False
+    response_cache: Annotated[bool, Meta(description=(
+        "Answer an identical greedy request (same prompt ids, same parameters) from memory, "
+        "without the engine. Off by default, so that a benchmark never measures a dictionary."
+        ))] = False
+    response_cache_mb: Annotated[float, Meta(ge=0, description=(
+        "Budget of the response cache, MiB."))] = 64.0
+
+
+class MemoryConfig(_Section):
+    """The memory governor's limits (spec: "Memory"); 0 takes the spec's share of the machine."""
+
+    mem_ceiling_gib: Annotated[float, Meta(ge=0, description=(
+        "What the engine may hold between requests (allocated plus the allocator's reserve), "
+        "GiB: a cache grows only while the total stays under this less reserve_slack_gib. 0: "
+        "70/128 of the machine's memory (the device's on CUDA)."))] = 0.0
+    mem_peak_gib: Annotated[float, Meta(ge=0, description=(
+        "What the engine may hold during a prefill, GiB: caches are shed, cheapest first, until "
+        "the prefill's estimated workspace fits; one that still does not gets a 503 with "
+        "Retry-After. 0: 77/128 of the machine's memory."))] = 0.0
+    reserve_slack_gib: Annotated[float, Meta(ge=0, description=(
+        "Free blocks the allocator may keep between requests, GiB; more go back after the "
+        "request. 0: 2 GiB, or a 16th of the ceiling when that is less."))] = 0.0
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -140,6 +175,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a

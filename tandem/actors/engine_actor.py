@@ -48,7 +48,11 @@ from tandem.actors.engine_messages import (
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
+from tandem.cache.governor import MemoryGovernor, MemoryRefused
+from tandem.cache.memory import MemoryAccountant
+from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix
+from tandem.cache.store import StateStore
 from tandem.server.endalign import Alignment, EndRecord, align
 from tandem.server.reasoning_budget import ReasoningBudget
 from tandem.engine import ContextOverflow, Engine, SamplingParams
@@ -106,11 +110,17 @@ class _Outside:
 class EngineActor(Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
+                 make_store: Callable[[Engine, MemoryAccountant], StateStore] | None = None,
+                 governor: MemoryGovernor | None = None,
                  tokenizer: Any = None, end_align: bool = True,
                  end_align_reasoning: bool = True, queue_limit: int = 16, retry_after_s: float = 1.0,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
+        ``make_store`` the state store beside it, on the resident prefix's accountant (None:
+        no store); ``governor`` holds those caches to the machine's memory limits (its core:
+        the engine thread calls it before each prefill and at every reserve, so what it sheds
+        is shed on the engine thread, where the tiers live);
         ``tokenizer`` gives the token bytes the end alignment compares and the reasoning
         budget's phrase (None: neither);
         ``queue_limit``: generations that may wait beyond the running one."""
@@ -118,6 +128,10 @@ class EngineActor(Actor):
         self._make_engine = make_engine
         self._make_resident = make_resident
         self.resident: ResidentPrefix | None = None
+        self._make_store = make_store
+        self.store: StateStore | None = None
+        self.governor = governor
+        self.planner: Planner | None = None  # engine thread only
         self.tokenizer = tokenizer
         self.end_align = end_align and tokenizer is not None
         self.end_align_reasoning = end_align_reasoning
@@ -161,7 +175,12 @@ class EngineActor(Actor):
         engine = self._make_engine()
         if self._make_resident is not None:
             self.resident = self._make_resident(engine)
+            if self._make_store is not None:
+                self.store = self._make_store(engine, self.resident.memory)
+            self.planner = Planner(self.resident, self.store, self.governor)
             self._publish_cache_stats()
+        elif self.governor is not None:
+            self.governor.attach(MemoryAccountant({}), {}, engine.cost())  # workspace only
         return engine
 
     def _publish_cache_stats(self) -> None:
@@ -169,7 +188,10 @@ class EngineActor(Actor):
             resident = self.resident.statistics()
             resident["alignments"] = dict(self._alignments)
             resident["replays"] = self._replays
-            self.cache_stats = {"tiers": {"resident": resident}}
+            tiers = {"resident": resident}
+            if self.store is not None:
+                tiers["store"] = self.store.statistics()
+            self.cache_stats = {"tiers": tiers}
 
     async def on_stop(self) -> None:
         for job in list(self._jobs.values()):
@@ -348,26 +370,39 @@ class EngineActor(Actor):
             return False
 
         if resident is None:
-            result = engine.generate(job.prompt_ids, job.params, on_token=on_token,
-                                     should_cancel=job.cancel.is_set, force=force)
+            if self.governor is not None:
+                self.governor.before_prefill(len(job.prompt_ids))
+            try:
+                result = engine.generate(job.prompt_ids, job.params, on_token=on_token,
+                                         should_cancel=job.cancel.is_set, force=force)
+            finally:
+                if self.governor is not None:
+                    self.governor.after_request()
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
                             len(job.prompt_ids) - result.reused_tokens, None, budget)
         alignment = self._align(job.prompt_ids)
         served = alignment.served if alignment is not None else job.prompt_ids
-        resume = resident.begin(served, job.params.max_tokens, job.session)
+        planner = self.planner
+        try:
+            resume = planner.begin(served, job.params.max_tokens, job.session)
+        except MemoryRefused:
+            # Refused before anything moved in the engine (the request gets a 503); the
+            # governor may have shed caches on the way, which the stats show.
+            self._publish_cache_stats()
+            raise
         try:
             result = engine.generate(served, job.params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,
-                                     on_chunk=resident.on_chunk, force=force)
+                                     on_chunk=planner.on_chunk, force=force)
         except BaseException:
             # The rows in place are not trusted after a failed forward; a guest's stash goes
             # back, anything else starts again from token 0.
-            resident.abort()
+            planner.abort()
             self._record = None
             self._publish_cache_stats()
             raise
-        resident.finish()
-        resident.check_invariants()
+        planner.finish(served + result.token_ids, job.session)
+        planner.check_invariants()
         if not resume.guest:
             self._remember_end(served, result, budget)
         self._publish_cache_stats()
@@ -423,7 +458,10 @@ class EngineActor(Actor):
         if fut.cancelled():
             self._fail(job, "stopped", "the engine stopped", forget=False)
         elif (exc := fut.exception()) is not None:
-            if isinstance(exc, ContextOverflow):
+            if isinstance(exc, MemoryRefused):
+                self._fail(job, "no_memory", str(exc), forget=False,
+                           retry_after_s=exc.retry_after_s)
+            elif isinstance(exc, ContextOverflow):
                 self._fail(job, "context_overflow", str(exc), forget=False,
                            num_tokens=exc.num_tokens, window=exc.window)
             elif isinstance(exc, (ModelError, ValueError)):
@@ -463,7 +501,7 @@ class EngineActor(Actor):
                 self._emit(sink, EngineDrained())
 
     def _fail(self, job: _Job, reason: str, detail: str, *, forget: bool = True,
-              **counts: int) -> None:
+              **counts: int | float) -> None:
         if forget:
             self._jobs.pop(job.request_id, None)
         self.failed_total += 1

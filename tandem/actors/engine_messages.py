@@ -97,7 +97,7 @@ class GenerationFinished(Message):
     ``finish_reason``: "stop" (a stop token), "length" (max_tokens or the window) or
     "cancelled"; ``reused_tokens``: the line the prefill resumed at (cached), in the served
     prompt's positions; ``cache_source``: what served the rows below it (cold, resident, end,
-    pin, park); ``guest``: the request ran as a guest (its rows were stashed and put back)."""
+    pin, park, store); ``guest``: the request ran as a guest (its rows were stashed and put back)."""
 
     request_id: str
     finish_reason: str
@@ -120,14 +120,17 @@ class GenerationFailed(Message):
     """Sender: the engine, to the request's sink: the last event of a generation that did not
     run to its end. ``context_overflow`` carries both counts; ``draining`` / ``stopped``: the
     engine dropped it before it started; ``cancelled``: cancelled while waiting;
-    ``model_error``: the model refused the input; ``engine_error``: a bug (the system stops)."""
+    ``model_error``: the model refused the input; ``no_memory``: the memory governor could
+    not fit the prefill's workspace under the peak (retry after ``retry_after_s``);
+    ``engine_error``: a bug (the system stops)."""
 
     request_id: str
     reason: Literal["context_overflow", "model_error", "draining", "stopped", "cancelled",
-                    "engine_error"]
+                    "no_memory", "engine_error"]
     detail: str
     num_tokens: int | None = None
     window: int | None = None
+    retry_after_s: float | None = None
 
 
 # -- drain -----------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """The memory policy every cache asks before it copies (spec: "Memory", Budget.LEVELS).
 
 A simple accountant: each level has its own budget, and every copy is reserved at its level
-before it is made and released when it is dropped. The governor actor (a later issue) puts the
-three machine limits above these.
+before it is made and released when it is dropped. The memory governor (tandem/cache/governor.py)
+puts the three machine limits above these through ``gate``: a reserve within its level's budget
+still needs the governor's yes (the total under the ceiling less the slack, making room by
+shedding cheaper levels).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 # Cheapest first: the order in which a governor sheds them.
 LEVELS = ("store", "anchors", "end", "stash", "park", "pin")
@@ -18,6 +21,9 @@ class MemoryAccountant:
     budgets: dict[str, int]  # level -> bytes it may hold
     held: dict[str, int] = field(default_factory=dict)
     refused: dict[str, int] = field(default_factory=dict)
+    # (level, nbytes) -> may the machine hold that much more? Called on the thread that
+    # reserves (the engine thread), after the level's own budget said yes.
+    gate: Callable[[str, int], bool] | None = None
 
     def __post_init__(self):
         unknown = set(self.budgets) - set(LEVELS)
@@ -33,6 +39,9 @@ class MemoryAccountant:
     def reserve(self, level: str, nbytes: int) -> bool:
         """Room for ``nbytes`` more at ``level``, taken now; False (and counted) when none."""
         if nbytes > self.room(level):
+            self.refused[level] += 1
+            return False
+        if self.gate is not None and nbytes and not self.gate(level, nbytes):
             self.refused[level] += 1
             return False
         self.held[level] += nbytes

@@ -48,12 +48,14 @@ class Resume:
     """Where a request's prefill starts and what served the rows below it."""
 
     start: int  # rows in place the prefill resumes at, in the served prompt's positions
-    source: str  # cold, resident, end, pin or park
+    source: str  # cold, resident, end, pin, park, or store (the planner's)
     guest: bool = False
 
     @property
     def tier(self) -> str | None:
-        return None if self.source == "cold" else "resident"
+        if self.source == "cold":
+            return None
+        return "store" if self.source == "store" else "resident"
 
 
 @dataclass
@@ -139,6 +141,7 @@ class ResidentPrefix:
         self.session: str | None = None  # of the rows in place
         self.stats = ResidentStats()
         self._guest_active = False
+        self._guest_start = 0
 
     # -- the request's way -----------------------------------------------------------------
 
@@ -147,28 +150,14 @@ class ResidentPrefix:
         """Restore what serves ``prompt_ids`` best and put the engine there."""
         eng = self.engine
         prompt = list(prompt_ids)
-        limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
-        c = _common(prompt, eng.token_ids)
-        continuing = c >= eng.length and eng.length <= limit
-        if not continuing and self._is_guest(prompt, c):
-            return self._begin_guest(prompt, max_tokens, min(c, limit))
-
-        # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
-        best = Resume(0, "cold")
-        if continuing and eng.length:
-            best = Resume(eng.length, "end" if self._end_at(eng.length) else "resident")
-        else:
-            if self.end is not None and self.end.length <= min(c, limit):
-                best = Resume(self.end.length, "end")
-            line = self._best_anchor(min(c, limit))
-            if line > best.start:
-                best = Resume(line, "resident")
-        pin_point = self._pin_offer(prompt, limit)
-        park_point = self._park_offer(prompt, limit)
-        if pin_point > best.start and pin_point >= park_point:
-            return self._swap_in_pin(prompt, pin_point, session)
-        if park_point > best.start:
-            return self._swap_in_park(prompt, park_point, session)
+        offer, c, continuing = self._plan(prompt)
+        if offer.guest:
+            return self._begin_guest(prompt, max_tokens, min(c, len(prompt) - 1))
+        if offer.source == "pin":
+            return self._swap_in_pin(prompt, offer.start, session)
+        if offer.source == "park":
+            return self._swap_in_park(prompt, offer.start, session)
+        best = offer
 
         if not continuing:
             # A request too long to be a guest that shares nothing is a compaction: its
@@ -185,6 +174,92 @@ class ResidentPrefix:
         self.session = session
         self._count(best)
         return best
+
+    def offer(self, prompt_ids: Sequence[int]) -> Resume:
+        """Where ``begin`` would resume this prompt, with no side effect: the planner compares
+        it with the other tiers' offers (a guest's start assumes its stash is granted)."""
+        return self._plan(list(prompt_ids))[0]
+
+    def _plan(self, prompt: list[int]) -> tuple[Resume, int, bool]:
+        """The best resume for ``prompt``, the tokens it shares with the rows in place, and
+        whether it continues them."""
+        eng = self.engine
+        limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
+        c = _common(prompt, eng.token_ids)
+        continuing = c >= eng.length and eng.length <= limit
+        if not continuing and self._is_guest(prompt, c):
+            start = self._best_anchor(min(c, limit))
+            return Resume(start, "resident" if start else "cold", guest=True), c, continuing
+
+        # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
+        best = Resume(0, "cold")
+        if continuing and eng.length:
+            best = Resume(eng.length, "end" if self._end_at(eng.length) else "resident")
+        else:
+            if self.end is not None and self.end.length <= min(c, limit):
+                best = Resume(self.end.length, "end")
+            line = self._best_anchor(min(c, limit))
+            if line > best.start:
+                best = Resume(line, "resident")
+        pin_point = self._pin_offer(prompt, limit)
+        park_point = self._park_offer(prompt, limit)
+        if pin_point > best.start and pin_point >= park_point:
+            return Resume(pin_point, "pin"), c, continuing
+        if park_point > best.start:
+            return Resume(park_point, "park"), c, continuing
+        return best, c, continuing
+
+    def adopt(self, n: int, token_ids: Sequence[int], taint: int | None = None,
+              session: str | None = None) -> None:
+        """An outside restore (the state store) is about to replace the rows in place with
+        ``token_ids[:n]`` (rows above ``taint`` written by decoding). Called before the restore,
+        while the old rows are still there: anchors stay only up to the rows both share, and
+        no higher than either side's taint, since an anchor over decoded rows would otherwise
+        pass for a cold prefill's; the end anchor goes with its rows."""
+        eng = self.engine
+        keep = _common(eng.token_ids, list(token_ids[:n]))
+        for t in (eng.taint, taint):
+            if t is not None:
+                keep = min(keep, t)
+        self.anchors_drop_above(keep)
+        self.end = None
+        self.session = session
+
+    def shed(self, level: str, need_nbytes: int) -> int:
+        """The memory governor's call, on the engine thread between chunks or before a
+        prefill: give back copies at ``level`` until ``need_nbytes`` are freed; the bytes
+        freed. Anchors go cheapest loss first; the end, stash, park and pin go whole."""
+        held = self.memory.held
+        before = held[level]
+        if level == "anchors":
+            while held["anchors"] > before - need_nbytes and self.anchors:
+                if not self._evict_one(protect=-1):
+                    self._drop_anchor(min(self.anchors))
+        elif level == "end":
+            if self.stash is not None and self.stash.sections is None:
+                self._drop_stash()  # it would restore its sections from the end anchor
+            self.end = None
+            if self._end_buffer is not None:
+                self.memory.release("end", self._end_buffer.nbytes)
+                self._end_buffer = None
+        elif level == "stash":
+            self._drop_stash()
+        elif level == "park":
+            self._drop_park()
+        elif level == "pin":
+            self._drop_pin()
+        return before - held[level]
+
+    def _drop_stash(self) -> None:
+        """The guest keeps its rows and the resident rows it wrote over are lost: everything
+        above the guest's start goes (its rows are the guest's now)."""
+        if self.stash is None:
+            return
+        self.memory.release("stash", self.stash.nbytes)
+        self.stash = None
+        self.anchors_drop_above(self.engine.length if not self._guest_active else
+                                self._guest_start)
+        self.end = None
 
     def on_chunk(self, end: int) -> None:
         """After a prefill chunk: an anchor at every grid line the prefill passes."""
@@ -255,6 +330,7 @@ class ResidentPrefix:
             self.anchors[start].restore(state)
         eng.resume_at(start)
         self._guest_active = True
+        self._guest_start = start
         self.stats.guests += 1
         return Resume(start, "resident" if start else "cold", guest=True)
 

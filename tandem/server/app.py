@@ -18,13 +18,26 @@ from aiohttp import web
 from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
+from tandem.actors.governor import GovernorActor
+from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.resident import ResidentPrefix
+from tandem.cache.response import ResponseCache
+from tandem.cache.store import StateStore
 from tandem.config import Config
 from tandem.engine import Engine
 from tandem.server.errors import error_middleware
 from tandem.server.journal import Journal
-from tandem.server.keys import CACHE_STATS, CONFIG, ENGINE, JOURNAL, MODEL_NAME, SUPERVISOR
+from tandem.server.keys import (
+    CACHE_STATS,
+    CONFIG,
+    ENGINE,
+    JOURNAL,
+    MEMORY,
+    MODEL_NAME,
+    SUPERVISOR,
+)
+from tandem.server.memory_routes import add_memory, add_memory_routes
 from tandem.server.metrics import CONTENT_TYPE, Metrics
 from tandem.server.openai_routes import add_openai_routes
 from tandem.server.state import STATE, SamplingDefaults, ServerState
@@ -32,6 +45,7 @@ from tandem.server.state import STATE, SamplingDefaults, ServerState
 log = structlog.get_logger("tandem.server")
 
 GiB = 1 << 30
+MiB = 1 << 20
 DRAIN_TIMEOUT_S = 600.0  # the longest a shutdown waits for the running generation
 
 
@@ -43,16 +57,24 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     """
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
+    governor = None
     if engine is None:
         e = config.engine
+        governor = make_governor(config, loaded.model)
+        caches = config.cache.caches
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
-            num_threads=e.num_threads), make_resident=partial(make_resident, config),
+            num_threads=e.num_threads),
+            make_resident=partial(make_resident, config) if caches else None,
+            make_store=partial(make_store, config) if caches and config.cache.store else None,
+            governor=governor,
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
             end_align_reasoning=config.cache.end_align_reasoning,
             queue_limit=config.server.queue_limit)
     supervisor = Supervisor()
     supervisor.add(engine)
+    if governor is not None:
+        supervisor.add(GovernorActor("governor", core=governor))
     journal = Journal(config.journal_path())
     metrics = Metrics()
     path = getattr(loaded, "path", None)
@@ -67,6 +89,10 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
                   lambda: engine.snapshot().get("waiting") or 0)
     metrics.gauge("tandem_requests_running", "Requests the engine is running.",
                   lambda: 1 if engine.snapshot().get("request") else 0)
+    if config.cache.response_cache:
+        state.response_cache = ResponseCache(int(config.cache.response_cache_mb * MiB))
+    if governor is not None:
+        add_memory(app_metrics=metrics, governor=governor)
 
     app = web.Application(client_max_size=config.server.max_body_bytes,
                           middlewares=[error_middleware])
@@ -76,10 +102,13 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     app[JOURNAL] = journal
     app[CONFIG] = config
     app[MODEL_NAME] = loaded.name
-    app[CACHE_STATS] = lambda: getattr(engine, "cache_stats", {"tiers": {}})
+    app[CACHE_STATS] = partial(_cache_stats, engine, state)
+    if governor is not None:
+        app[MEMORY] = governor.statistics
     app.cleanup_ctx.append(_system)
 
     add_openai_routes(app)
+    add_memory_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/cache/stats", cache_stats)
@@ -103,6 +132,33 @@ def make_resident(config: Config, engine: Engine) -> ResidentPrefix:
     })
     return ResidentPrefix(engine, memory, guest_max=c.resident_guest_max,
                           end_anchor=c.end_anchor)
+
+
+def make_store(config: Config, engine: Engine, memory: MemoryAccountant) -> StateStore:
+    """The state store beside the resident prefix, on its accountant (level ``store``)."""
+    c = config.cache
+    memory.budgets["store"] = int(c.cache_gb * GiB)
+    return StateStore(engine, memory, entry_nbytes=int(c.store_entry_gb * GiB),
+                      boundaries=c.store_boundaries, session_trim=c.session_trim)
+
+
+def make_governor(config: Config, model) -> MemoryGovernor:
+    """The memory governor over the device the model runs on (its core; the engine actor
+    calls it on the engine thread, the governor actor edits its limits)."""
+    device = str(getattr(model, "device", "cpu"))
+    allocator = CudaAllocator() if device.startswith("cuda") else CpuAllocator()
+    m = config.memory
+    limits = MemoryLimits.resolve(m.mem_ceiling_gib, m.mem_peak_gib, m.reserve_slack_gib,
+                                  allocator.total_nbytes())
+    return MemoryGovernor(limits, allocator)
+
+
+def _cache_stats(engine: Actor, state: ServerState) -> dict:
+    doc = getattr(engine, "cache_stats", {"tiers": {}})
+    if state.response_cache is not None:
+        doc = {**doc, "tiers": {**doc.get("tiers", {}),
+                                "response": state.response_cache.statistics()}}
+    return doc
 
 
 async def _system(app: web.Application) -> AsyncIterator[None]:

@@ -11,6 +11,7 @@ polls /v1/actors about twice a second. The document:
       "engine":  app[ENGINE].snapshot() or null,
       "journal": app[JOURNAL].tail(20) (newest last) or null,
       "cache":   app[CACHE_STATS]() ({"tiers": {name: {counters}}}) or null,
+      "memory":  app[MEMORY]() (the governor's report: limits, held, levels, sheds) or null,
       "errors":  {part: exception type name} for the parts whose source raised,
     }
 
@@ -34,7 +35,7 @@ from aiohttp import web
 
 from tandem.actors.clock import SYSTEM_CLOCK, Clock
 from tandem.actors.runtime import ActorStatistics
-from tandem.server.keys import CACHE_STATS, ENGINE, JOURNAL, SUPERVISOR
+from tandem.server.keys import CACHE_STATS, ENGINE, JOURNAL, MEMORY, SUPERVISOR
 
 log = structlog.get_logger("tandem.console")
 
@@ -103,6 +104,7 @@ def console_document(app: web.Application) -> dict[str, Any]:
     engine = app.get(ENGINE)
     journal = app.get(JOURNAL)
     cache_stats = app.get(CACHE_STATS)
+    memory = app.get(MEMORY)
     return {
         "at_s": SYSTEM_CLOCK.wall_time(),
         "actors": actors,
@@ -112,6 +114,7 @@ def console_document(app: web.Application) -> dict[str, Any]:
             None if journal is None else _read(errors, "journal", lambda: journal.tail(JOURNAL_ROWS))
         ),
         "cache": None if cache_stats is None else _read(errors, "cache", cache_stats),
+        "memory": None if memory is None else _read(errors, "memory", memory),
         "errors": errors,
     }
 

@@ -16,6 +16,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -30,6 +31,7 @@ from tandem.actors.engine_messages import (
     GenerationStarted,
     TokenGenerated,
 )
+from tandem.cache.response import CachedResponse
 from tandem.server.errors import ApiError
 from tandem.server.journal import RequestRow
 from tandem.server.state import ServerState
@@ -110,11 +112,42 @@ class Run:
         self.finish_reason: str | None = None
         self.result: GenerationFinished | None = None
         self.ttft_ms: float | None = None
+        # What the client was sent, for a recording: the visible token ids and text.
+        self.token_ids: list[int] = []
+        self.text = ""
         self._closed = False
+        self._generated: list[tuple[int, bool]] = []  # every engine token, for the response cache
+        self.from_memory = False  # answered by the response cache, the engine never asked
 
     # -- the engine ------------------------------------------------------------------------
 
+    def _answer_from_memory(self) -> bool:
+        """An identical greedy request answered before: its events, replayed into our queue."""
+        cache = self.state.response_cache
+        hit = None if cache is None else cache.lookup(self.prompt_ids, self.params,
+                                                       self._stops.stops)
+        if hit is None:
+            return False
+        put = self._events.put_nowait
+        put(GenerationStarted(self.request_id, len(self.prompt_ids), 0.0))
+        for index, (token_id, hidden) in enumerate(hit.tokens):
+            put(TokenGenerated(self.request_id, token_id, index, hidden))
+        put(msgspec.structs.replace(hit.finished, request_id=self.request_id))
+        self.started = self.from_memory = True
+        return True
+
+    def _remember(self, msg: GenerationFinished) -> None:
+        cache = self.state.response_cache
+        if cache is None or self.from_memory or msg.finish_reason not in ("stop", "length"):
+            return
+        cache.put(self.prompt_ids, self.params, self._stops.stops, CachedResponse(
+            tuple(self._generated), msgspec.structs.replace(
+                msg, cache_source="response", reused_tokens=len(self.prompt_ids),
+                reread_tokens=0, prefill_ms=0.0, guest=False, aligned=None, end_replayed=0)))
+
     async def start(self) -> None:
+        if self._answer_from_memory():
+            return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
                        session=self.session)
         try:
@@ -135,7 +168,7 @@ class Run:
         self.started = True
 
     def cancel(self) -> None:
-        if not self.started or self.ended:
+        if not self.started or self.ended or self.from_memory:
             return
         try:
             self.state.engine.try_tell(CancelGeneration(self.request_id), sender="server")
@@ -153,6 +186,8 @@ class Run:
         """The answer's text deltas, until the engine's last event or a stop string."""
         while not self.ended:
             msg = await self._events.get()
+            if isinstance(msg, TokenGenerated):
+                self._generated.append((msg.token_id, msg.hidden))
             match msg:
                 case GenerationStarted():
                     pass
@@ -164,8 +199,10 @@ class Run:
                     if self.ttft_ms is None:
                         self.ttft_ms = (self._loop.time() - self.arrived_s) * 1000.0
                     self.completion_tokens += 1
+                    self.token_ids.append(token_id)
                     text = self._stops.feed(self._decoder.push(token_id))
                     if text:
+                        self.text += text
                         yield text
                     if self._stops.matched:
                         self.finish_reason = "stop"
@@ -176,6 +213,7 @@ class Run:
                     text = self._stops.feed(self._decoder.finish())
                     text += self._stops.flush()
                     if text:
+                        self.text += text
                         yield text
                     if self._stops.matched:
                         self.finish_reason = "stop"
@@ -204,6 +242,7 @@ class Run:
         self.result = msg
         if not keep_reason:
             self.finish_reason = msg.finish_reason
+            self._remember(msg)
 
     # -- accounting ------------------------------------------------------------------------
 
@@ -224,17 +263,22 @@ class Run:
         r = self.result
         # cached and reread in the served prompt's positions (the spec's usage split); the
         # served prompt differs from the client's where the end alignment put rows back.
-        cache = {"tier": None if source == "cold" else "resident", "source": source,
+        tier = None if source == "cold" else source if source in ("store", "response") \
+            else "resident"
+        cache = {"tier": tier, "source": source,
                  "cached": r.reused_tokens if r else 0, "reread": r.reread_tokens if r else 0}
         if r is not None and r.aligned:
             cache["aligned"] = r.aligned
             cache["end_replayed"] = r.end_replayed
+        tandem: dict = {"cache": cache}
+        if self.ttft_ms is not None:
+            tandem["ttft_ms"] = round(self.ttft_ms, 3)  # as the journal row has it
         return {
             "prompt_tokens": prompt,
             "completion_tokens": self.completion_tokens,
             "total_tokens": prompt + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "tandem": {"cache": cache},
+            "tandem": tandem,
         }
 
     def close(self, status: int, error_code: str | None = None) -> None:
@@ -297,6 +341,9 @@ def _failure_error(msg: GenerationFailed) -> ApiError:
                             retry_after_s=1.0)
         case "cancelled":
             return ApiError(503, "the request was cancelled", code="cancelled")
+        case "no_memory":
+            return ApiError(503, f"not enough memory for this prefill now: {msg.detail}",
+                            code="no_memory", retry_after_s=msg.retry_after_s or 1.0)
         case _:
             return ApiError(500, "internal engine error", type="server_error",
                             code="engine_error")

@@ -8,6 +8,8 @@
 - CONFIG: the tandem.config.Config the server runs with.
 - MODEL_NAME: the id /v1/models lists.
 - CACHE_STATS: a callable returning the /v1/cache/stats document (tiers, each with counters).
+- MEMORY: a callable returning the memory governor's report (limits, held, levels, sheds);
+  absent when no governor runs.
 """
 
 from __future__ import annotations
@@ -22,3 +24,4 @@ JOURNAL: web.AppKey[Any] = web.AppKey("journal", object)
 CONFIG: web.AppKey[Any] = web.AppKey("config", object)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
 CACHE_STATS: web.AppKey[Callable[[], dict]] = web.AppKey("cache_stats", object)
+MEMORY: web.AppKey[Callable[[], dict]] = web.AppKey("memory", object)

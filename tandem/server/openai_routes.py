@@ -169,6 +169,8 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
     ctx = _Request(request, route, prefix)
     status = 500
     code: str | None = "internal_error"
+    body: dict[str, Any] | None = None
+    extra: dict = {}
     try:
         body = await read_json(request, ctx.state)
         ctx.session = session_key(body, request.headers)
@@ -198,6 +200,27 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
         else:
             ctx.refused(status, code)
         ctx.counted(status)
+        if ctx.state.recorder is not None and body is not None:
+            _record(ctx, body, status, code, extra)
+
+
+def _record(ctx: _Request, body: dict[str, Any], status: int, code: str | None,
+            extra: dict) -> None:
+    """The recording's row of a request that got as far as a decoded body."""
+    from tandem.replay.record import request_row
+
+    response: dict[str, Any] = {"request_id": ctx.request_id, "status": status, "error": code}
+    run = ctx.run
+    if run is not None and run.started:
+        response.update(text=run.text, token_ids=run.token_ids, usage=run.usage(),
+                        cache_source=run.cache_source, finish_reason=run.finish_reason)
+        if ctx.route == "chat":
+            parsed = parse_output(run.text, thinking=extra.get("thinking", True))
+            response.update(reasoning=parsed.reasoning, content=parsed.content,
+                            tool_calls=parsed.tool_calls)
+    wall_s = time.time() - (asyncio.get_running_loop().time() - ctx.arrived_s)
+    ctx.state.recorder.append(request_row(t=wall_s, route=ctx.route, headers=ctx.request.headers,
+                                          body=body, response=response))
 
 
 # -- chat ------------------------------------------------------------------------------------

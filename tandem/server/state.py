@@ -53,6 +53,14 @@ class ServerState:
     created_s: int = field(default_factory=lambda: int(time.time()))
     supervisor: Supervisor | None = None
     ask_timeout_s: float = 10.0  # waiting for room in the engine's mailbox and its reply
+    recorder: Any = None  # a tandem.replay.record.Recorder when record_dir is set
+    response_cache: Any = None  # a tandem.cache.response.ResponseCache when response_cache is on
+
+    def __post_init__(self) -> None:
+        if self.recorder is None and (folder := self.config.record_path()) is not None:
+            from tandem.replay.record import Recorder
+
+            self.recorder = Recorder(folder)
 
     def created_now(self) -> int:
         return int(time.time())

@@ -39,7 +39,8 @@ async def test_actors_document_lists_every_actor_the_graph_engine_journal_and_ca
         finally:
             await client.close()
 
-    assert set(doc) == {"at_s", "actors", "graph", "engine", "journal", "cache", "errors"}
+    assert set(doc) == {"at_s", "actors", "graph", "engine", "journal", "cache", "memory",
+                        "errors"}
     assert [a["name"] for a in doc["actors"]] == ["backend", "recorder", "frontend"]  # start order
     frontend = next(a for a in doc["actors"] if a["name"] == "frontend")
     assert frontend["handled_total"] == 1

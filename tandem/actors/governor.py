@@ -1,0 +1,73 @@
+"""The memory governor actor: the owner of the machine's three memory limits (spec: "Memory").
+
+Its core (tandem/cache/governor.py::MemoryGovernor) decides; the engine thread executes. The
+caches live on the engine thread, so shedding must happen there: the engine actor holds the
+same core and calls it synchronously, before each prefill (``before_prefill``: shed cheapest
+first, or refuse with a 503) and at every reserve (the accountant's gate), and the core calls the
+tiers' shedders right there. A message round trip per prefill would block the engine thread on
+the event loop and could only relay the same decision. What goes through this actor is what
+comes from outside: an edit of the limits (`SetMemoryLimits`, from POST /v1/memory/limits) and
+the report (`GetMemoryReport`). Limits are one immutable object the core swaps whole, so the
+engine thread sees either the old limits or the new ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.actors.messages import Message
+from tandem.actors.runtime import Actor
+from tandem.cache.governor import MemoryGovernor, MemoryLimits
+
+
+class SetMemoryLimits(Message):
+    """Sender: the server (POST /v1/memory/limits). Receiver: the governor, which replaces the
+    limits whole and replies `MemoryReport`; a value left None keeps its limit. A set that
+    breaks 0 <= slack < ceiling <= peak changes nothing: the reply carries the error."""
+
+    mem_ceiling_gib: float | None = None
+    mem_peak_gib: float | None = None
+    reserve_slack_gib: float | None = None
+
+
+class GetMemoryReport(Message):
+    """Sender: the server (GET /v1/memory, the console). Receiver: the governor; replies
+    `MemoryReport`."""
+
+
+class MemoryReport(Message):
+    """Reply: the limits, what is held, per level, and the shed counters."""
+
+    report: dict[str, Any]
+    error: str | None = None  # why a SetMemoryLimits was refused
+
+
+class GovernorActor(Actor):
+    def __init__(self, name: str = "governor", *, core: MemoryGovernor,
+                 **actor_options: Any) -> None:
+        super().__init__(name, **actor_options)
+        self.core = core
+
+    async def handle(self, msg: Message) -> object | None:
+        match msg:
+            case SetMemoryLimits():
+                current = self.core.limits.to_gib()
+                wanted = {k: v if v is not None else current[k] for k, v in (
+                    ("mem_ceiling_gib", msg.mem_ceiling_gib),
+                    ("mem_peak_gib", msg.mem_peak_gib),
+                    ("reserve_slack_gib", msg.reserve_slack_gib))}
+                try:
+                    limits = MemoryLimits.gib(wanted["mem_ceiling_gib"], wanted["mem_peak_gib"],
+                                              wanted["reserve_slack_gib"])
+                except ValueError as e:
+                    return MemoryReport(self.report(), error=str(e))
+                self.core.set_limits(limits)
+                return MemoryReport(self.report())
+            case GetMemoryReport():
+                return MemoryReport(self.report())
+            case _:
+                raise TypeError(f"{self.name} does not handle {type(msg).__name__}")
+
+    def report(self) -> dict[str, Any]:
+        """Read on the loop; the counters are plain ints the engine thread writes."""
+        return self.core.statistics()

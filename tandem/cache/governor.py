@@ -1,0 +1,343 @@
+"""The memory governor's core: every cache held to three machine limits (spec: "Memory").
+
+- ``ceiling``: the engine between requests (allocated plus the allocator's reserve). A cache
+  grows only while the total stays under the ceiling less the slack; a more valuable cache may
+  take the room of cheaper ones (``admit``, the memory accountant's gate).
+- ``peak``: the engine during a prefill. Before a prefill the allocator's reserve goes back, then
+  the caches are shed cheapest first until the prefill's estimated workspace fits under the peak
+  (``before_prefill``); one that still does not fit is refused (`MemoryRefused`: a 503 with
+  Retry-After), never run.
+- ``slack``: the free blocks the allocator may keep between requests; over it they go back after
+  the request (``after_request``), never inside one.
+
+What is held is measured, not counted: on a CPU the process's anonymous resident memory (file
+pages, such as mmapped weights or page cache the server keeps on purpose, are the kernel's to
+drop and count as free); on CUDA the allocator's reserved bytes. The workspace estimate is the
+adapter's ``cost()`` (floor, per token, cap), raised by what a prefill was seen to take beyond it.
+
+Pure logic: no asyncio and no clock. The caches live on the engine thread, so the engine thread
+calls every method but ``set_limits`` / ``statistics`` (the governor actor's, on the loop): the
+governor decides what to shed and calls the tiers' shedders, which therefore run on the engine
+thread too. Limits are one immutable object replaced whole, so a reader never sees half an edit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import structlog
+
+from tandem.cache.memory import LEVELS, MemoryAccountant
+from tandem.models.base import Cost
+
+log = structlog.get_logger()
+
+GiB = 1 << 30
+
+
+class MemoryRefused(Exception):
+    """A prefill whose workspace does not fit under the peak even with every cache shed."""
+
+    def __init__(self, needed_nbytes: int, peak_nbytes: int, retry_after_s: float):
+        super().__init__(f"the prefill needs {needed_nbytes / GiB:.2f} GiB with every cache "
+                         f"given back; the peak is {peak_nbytes / GiB:.2f} GiB")
+        self.needed_nbytes = needed_nbytes
+        self.peak_nbytes = peak_nbytes
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class MemoryLimits:
+    ceiling_nbytes: int
+    peak_nbytes: int
+    slack_nbytes: int
+
+    def __post_init__(self):
+        if not 0 <= self.slack_nbytes < self.ceiling_nbytes <= self.peak_nbytes:
+            raise ValueError("memory limits need 0 <= slack < ceiling <= peak "
+                             f"(slack {self.slack_nbytes}, ceiling {self.ceiling_nbytes}, "
+                             f"peak {self.peak_nbytes})")
+
+    @classmethod
+    def gib(cls, ceiling: float, peak: float, slack: float) -> "MemoryLimits":
+        return cls(int(ceiling * GiB), int(peak * GiB), int(slack * GiB))
+
+    @classmethod
+    def resolve(cls, ceiling_gib: float, peak_gib: float, slack_gib: float,
+                total_nbytes: int) -> "MemoryLimits":
+        """The configured limits; a 0 takes the spec's share of the machine's memory (70, 77
+        and 2 of 128 GB)."""
+        ceiling = int(ceiling_gib * GiB) if ceiling_gib else int(total_nbytes * 70 / 128)
+        peak = int(peak_gib * GiB) if peak_gib else max(ceiling, int(total_nbytes * 77 / 128))
+        slack = int(slack_gib * GiB) if slack_gib else min(2 * GiB, ceiling // 16)
+        return cls(ceiling, peak, slack)
+
+    def to_gib(self) -> dict:
+        return {"mem_ceiling_gib": self.ceiling_nbytes / GiB,
+                "mem_peak_gib": self.peak_nbytes / GiB,
+                "reserve_slack_gib": self.slack_nbytes / GiB}
+
+
+@dataclass(frozen=True)
+class Reading:
+    held_nbytes: int  # what the engine holds: allocated plus the allocator's reserve
+    reserve_nbytes: int  # free blocks the allocator keeps, within held
+
+
+class Allocator(Protocol):
+    device: str
+
+    def measure(self) -> Reading: ...
+
+    def release_reserve(self) -> None: ...
+
+    def total_nbytes(self) -> int: ...
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+class CpuAllocator:
+    """The process on a CPU: anonymous resident pages from /proc/self/statm (resident less
+    shared, i.e. less file pages), glibc's free blocks (mallinfo2) as the reserve, and
+    malloc_trim to give them back."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self._libc = None
+        name = ctypes.util.find_library("c")
+        if name:
+            try:
+                libc = ctypes.CDLL(name)
+                libc.malloc_trim.argtypes = [ctypes.c_size_t]
+                self._libc = libc
+                self._mallinfo2 = getattr(libc, "mallinfo2", None)
+                if self._mallinfo2 is not None:
+                    self._mallinfo2.restype = _Mallinfo2
+            except OSError:
+                self._libc = None
+
+    def measure(self) -> Reading:
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        held = (int(fields[1]) - int(fields[2])) * self._page
+        reserve = 0
+        if self._libc is not None and self._mallinfo2 is not None:
+            reserve = min(int(self._mallinfo2().fordblks), held)
+        return Reading(held, reserve)
+
+    def release_reserve(self) -> None:
+        if self._libc is not None:
+            self._libc.malloc_trim(0)
+
+    def total_nbytes(self) -> int:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class CudaAllocator:
+    """One CUDA device: torch's reserved bytes (allocated plus its cache of free blocks)."""
+
+    device = "cuda"
+
+    def __init__(self, index: int = 0) -> None:
+        import torch
+
+        self._cuda = torch.cuda
+        self.index = index
+
+    def measure(self) -> Reading:
+        reserved = self._cuda.memory_reserved(self.index)
+        return Reading(reserved, reserved - self._cuda.memory_allocated(self.index))
+
+    def release_reserve(self) -> None:
+        self._cuda.empty_cache()
+
+    def total_nbytes(self) -> int:
+        return self._cuda.get_device_properties(self.index).total_memory
+
+
+@dataclass
+class GovernorStats:
+    shed_total: dict = field(default_factory=lambda: {level: 0 for level in LEVELS})
+    shed_nbytes: dict = field(default_factory=lambda: {level: 0 for level in LEVELS})
+    refused_growth: dict = field(default_factory=lambda: {level: 0 for level in LEVELS})
+    refusals: int = 0  # prefills refused (503)
+    prefills: int = 0
+    reserve_releases: int = 0
+    workspace_raised_nbytes: int = 0
+    max_prefill_nbytes: int = 0  # the most held seen during any prefill
+    last_prefill: dict = field(default_factory=dict)
+
+
+class MemoryGovernor:
+    def __init__(self, limits: MemoryLimits, allocator: Allocator, *,
+                 retry_after_s: float = 2.0) -> None:
+        self._limits = limits
+        self.allocator = allocator
+        self.retry_after_s = retry_after_s
+        self.memory: MemoryAccountant | None = None
+        self.shedders: dict[str, Callable[[int], int]] = {}
+        self.cost: Cost | None = None
+        self.stats = GovernorStats()
+        self._prefill: dict | None = None  # the running prefill: workspace, held before, max
+
+    # -- wiring and limits -----------------------------------------------------------------
+
+    def attach(self, memory: MemoryAccountant, shedders: dict[str, Callable[[int], int]],
+               cost: Cost) -> None:
+        """On the engine thread, once its caches exist: every reserve asks ``admit``;
+        ``shedders[level](need_nbytes) -> freed`` gives back copies at that level."""
+        unknown = set(shedders) - set(LEVELS)
+        if unknown:
+            raise ValueError(f"unknown memory levels {sorted(unknown)}")
+        self.memory = memory
+        self.shedders = dict(shedders)
+        self.cost = cost
+        memory.gate = self.admit
+
+    @property
+    def limits(self) -> MemoryLimits:
+        return self._limits
+
+    def set_limits(self, limits: MemoryLimits) -> None:
+        """Replace the limits whole (validated by MemoryLimits); the next reserve or prefill
+        holds to them. Caches over a lowered ceiling are shed at the next prefill."""
+        self._limits = limits
+        log.info("memory_limits_set", **limits.to_gib())
+
+    def measure(self) -> Reading:
+        return self.allocator.measure()
+
+    # -- growth ----------------------------------------------------------------------------
+
+    def _growth_limit(self) -> int:
+        lim = self._limits
+        limit = lim.ceiling_nbytes - lim.slack_nbytes
+        if self._prefill is not None:
+            # During a prefill a copy also has to leave the workspace its room under the peak.
+            limit = min(limit, lim.peak_nbytes - self._prefill["workspace"])
+        return limit
+
+    def admit(self, level: str, nbytes: int) -> bool:
+        """May ``level`` grow by ``nbytes``? Only while the total stays under the ceiling less
+        the slack (and, inside a prefill, under the peak less its workspace); cheaper levels are
+        shed first to make room."""
+        limit = self._growth_limit()
+        held = self.measure().held_nbytes
+        if held + nbytes <= limit:
+            return True
+        cheaper = LEVELS[:LEVELS.index(level)]
+        held = self._shed(cheaper, lambda h: h + nbytes <= limit, held + nbytes - limit)
+        if held + nbytes <= limit:
+            return True
+        self.stats.refused_growth[level] += 1
+        return False
+
+    def _shed(self, levels: tuple[str, ...], fits: Callable[[int], bool], need: int) -> int:
+        """Shed ``levels`` cheapest first until ``fits(held)``; the held bytes measured last."""
+        held = self.measure().held_nbytes
+        for level in levels:
+            if fits(held):
+                break
+            shed = self.shedders.get(level)
+            if shed is None or not self.memory or self.memory.held.get(level, 0) == 0:
+                continue
+            freed = shed(max(need, 1))
+            if freed:
+                self.stats.shed_total[level] += 1
+                self.stats.shed_nbytes[level] += freed
+                log.info("memory_shed", level=level, nbytes=freed)
+                self.allocator.release_reserve()
+                new_held = self.measure().held_nbytes
+                need -= max(held - new_held, 0) or freed
+                held = new_held
+        return held
+
+    # -- prefills --------------------------------------------------------------------------
+
+    def workspace_nbytes(self, num_tokens: int) -> int:
+        base = self.cost.workspace_nbytes(num_tokens) if self.cost is not None else 0
+        return base + self.stats.workspace_raised_nbytes
+
+    def before_prefill(self, num_tokens: int) -> int:
+        """Make room for a prefill over ``num_tokens`` context tokens: the allocator's reserve
+        goes back, then caches cheapest first until the workspace fits under the peak. Raises
+        `MemoryRefused` when it still does not; the workspace estimate otherwise."""
+        self.allocator.release_reserve()
+        peak = self._limits.peak_nbytes
+        workspace = self.workspace_nbytes(num_tokens)
+        held = self.measure().held_nbytes
+        if held + workspace > peak:
+            held = self._shed(LEVELS, lambda h: h + workspace <= peak, held + workspace - peak)
+        if held + workspace > peak:
+            self.stats.refusals += 1
+            log.warning("prefill_refused", num_tokens=num_tokens, held=held,
+                        workspace=workspace, peak=peak)
+            raise MemoryRefused(held + workspace, peak, self.retry_after_s)
+        self._prefill = {"workspace": workspace, "before": held, "max": held,
+                         "num_tokens": num_tokens}
+        self.stats.prefills += 1
+        return workspace
+
+    def observe(self) -> None:
+        """Between prefill chunks: what is held now, for the peak seen."""
+        if self._prefill is None:
+            return
+        held = self.measure().held_nbytes
+        if held > self._prefill["max"]:
+            self._prefill["max"] = held
+
+    def after_prefill(self) -> None:
+        """The prefill is over: a workspace larger than estimated raises the estimate."""
+        p = self._prefill
+        if p is None:
+            return
+        self.observe()
+        self._prefill = None
+        taken = p["max"] - p["before"]
+        if taken > p["workspace"]:
+            self.stats.workspace_raised_nbytes += taken - p["workspace"]
+            log.info("workspace_raised", taken=taken, estimate=p["workspace"])
+        self.stats.max_prefill_nbytes = max(self.stats.max_prefill_nbytes, p["max"])
+        self.stats.last_prefill = {"num_tokens": p["num_tokens"], "workspace": p["workspace"],
+                                   "taken": taken, "max_held": p["max"]}
+
+    def after_request(self) -> None:
+        """Between requests: free blocks over the slack go back to the system."""
+        self._prefill = None
+        if self.measure().reserve_nbytes > self._limits.slack_nbytes:
+            self.allocator.release_reserve()
+            self.stats.reserve_releases += 1
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def level_nbytes(self) -> dict[str, int]:
+        held = self.memory.held if self.memory is not None else {}
+        return {level: held.get(level, 0) for level in LEVELS}
+
+    def statistics(self) -> dict:
+        s = self.stats
+        reading = self.measure()
+        return {
+            "device": self.allocator.device,
+            "limits": self._limits.to_gib(),
+            "limits_bytes": {"ceiling": self._limits.ceiling_nbytes,
+                             "peak": self._limits.peak_nbytes,
+                             "slack": self._limits.slack_nbytes},
+            "held_bytes": reading.held_nbytes, "reserve_bytes": reading.reserve_nbytes,
+            "levels": self.level_nbytes(), "levels_order": list(LEVELS),
+            "shed_total": dict(s.shed_total), "shed_bytes": dict(s.shed_nbytes),
+            "refused_growth": dict(s.refused_growth), "refusals": s.refusals,
+            "prefills": s.prefills, "reserve_releases": s.reserve_releases,
+            "workspace_raised_bytes": s.workspace_raised_nbytes,
+            "max_prefill_bytes": s.max_prefill_nbytes, "last_prefill": dict(s.last_prefill),
+        }

@@ -1,0 +1,108 @@
+"""The prefill planner on the engine thread: which tier a request resumes from, and the copies
+taken around its prefill (spec: "A request's way", "After a long generation").
+
+    resume = planner.begin(served, max_tokens, session)  # may raise MemoryRefused
+    engine.generate(served, ..., on_chunk=planner.on_chunk)
+    planner.finish(served + generated, session)          # or planner.abort() on a failure
+
+Order of preference, each taken only when it starts strictly later than the ones before it: the
+resident prefix's offer (anchors, the pinned head, the parked session, the end anchor: its own
+choice), then a state store entry. A guest's request never takes the store: its restore would
+write over resident rows no stash protects.
+
+Around the prefill: the governor makes room for the workspace first (or refuses the request
+before anything moved); grid lines go to the resident prefix (anchors) and the store (prefix
+snapshots); after the generation the store takes the session snapshot, then the resident prefix
+keeps its end anchor (the put runs first, as the spec's SRV-253 order has it).
+
+Pure logic, no asyncio: the engine actor calls it on the engine thread, where every tier lives.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Sequence
+
+from tandem.cache.governor import MemoryGovernor
+from tandem.cache.resident import ResidentPrefix, Resume
+from tandem.cache.store import StateStore
+
+
+class Planner:
+    def __init__(self, resident: ResidentPrefix, store: StateStore | None = None,
+                 governor: MemoryGovernor | None = None) -> None:
+        self.resident = resident
+        self.engine = resident.engine
+        self.store = store
+        self.governor = governor
+        self._prompt_len = 0
+        if governor is not None:
+            shedders = {level: partial(resident.shed, level)
+                        for level in ("anchors", "end", "stash", "park", "pin")}
+            if store is not None:
+                shedders["store"] = store.shed
+            governor.attach(resident.memory, shedders, self.engine.cost())
+
+    def begin(self, served: Sequence[int], max_tokens: int, session: str | None) -> Resume:
+        if self.governor is not None:
+            self.governor.before_prefill(len(served))  # raises before anything moved
+        self._prompt_len = len(served)
+        resume = self._restore(served, max_tokens, session)
+        if self.store is not None:
+            self.store.plan_prefix(served, resume.start)
+        return resume
+
+    def _restore(self, served: Sequence[int], max_tokens: int, session: str | None) -> Resume:
+        resident, store = self.resident, self.store
+        if store is not None:
+            offer = resident.offer(served)
+            if not offer.guest:
+                start, entry = store.offer(served)
+                if entry is not None and start > offer.start:
+                    resident.adopt(start, entry.key_ids, entry.taint, session)
+                    store.restore(entry, served)
+                    return Resume(start, "store")
+                if entry is None:
+                    store.count_miss()
+        return resident.begin(served, max_tokens, session)
+
+    def on_chunk(self, end: int) -> None:
+        self.resident.on_chunk(end)
+        if self.store is not None:
+            self.store.on_chunk(end)
+        if self.governor is not None:
+            self.governor.observe()
+            if end >= self._prompt_len:
+                self.governor.after_prefill()
+
+    def finish(self, committed_ids: Sequence[int] | None, session: str | None) -> None:
+        """After the generation: the session snapshot of the committed tokens (None: none is
+        taken), then the resident prefix's end."""
+        if self.store is not None:
+            self.store.end_prefill()
+            if committed_ids is not None:
+                self.store.put_session(committed_ids, session)
+        self.resident.finish()
+        if self.governor is not None:
+            self.governor.after_prefill()
+            self.governor.after_request()
+
+    def abort(self) -> None:
+        if self.store is not None:
+            self.store.end_prefill()
+        self.resident.abort()
+        if self.governor is not None:
+            self.governor.after_prefill()
+            self.governor.after_request()
+
+    def statistics(self) -> dict:
+        """The tiers' counters, as /v1/cache/stats lists them."""
+        tiers = {"resident": self.resident.statistics()}
+        if self.store is not None:
+            tiers["store"] = self.store.statistics()
+        return tiers
+
+    def check_invariants(self) -> None:
+        self.resident.check_invariants()
+        if self.store is not None:
+            self.store.check_invariants()

@@ -1,0 +1,324 @@
+"""The state store: whole snapshots keyed by the tokens that produced them (spec: "State store").
+
+One object serves two uses:
+
+- the prefix cache: a snapshot at the longest ``prefix_chunk`` line of a prefill that fits the
+  entry cap (``boundaries`` of them, 0: every line), taken between chunks (``on_chunk``). A request
+  that starts with those tokens resumes there, on the grid, bit for bit a cold prefill's;
+- the session cache: the conversation's state after its turn (``put_session``). The next turn
+  forwards only its new message; decoding wrote those rows, so the resume holds the greedy gate.
+
+Pure logic, no asyncio and no clock. Every copy goes through the adapter (``cache_state()``,
+copies.py) and is reserved at the memory level ``store`` *before* it is cloned, evicting the
+least recently used entries to make room; a put that cannot be made is declined before anything
+is cloned. Every hit compares the stored tokens with the prompt element by element: the hash
+only picks the bucket, since a collision would answer one request with another's state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import structlog
+
+from tandem.cache.copies import RowsCopy, SectionsCopy
+from tandem.cache.memory import MemoryAccountant
+from tandem.cache.resident import SequenceEngine
+
+log = structlog.get_logger()
+
+LEVEL = "store"
+SAID_MAX = 4096  # conversations whose decline reason was logged, newest kept
+
+
+def token_hash(token_ids: Sequence[int]) -> int:
+    """A 64-bit digest of token ids: a hint that picks a bucket, never an answer."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class _Entry:
+    key_ids: list[int]  # the tokens of rows [0, n)
+    kind: str  # "prefix" or "session"
+    sections: SectionsCopy
+    rows: RowsCopy
+    taint: int | None  # the lowest row decoding wrote (session snapshots), None: all prefill
+    nbytes: int
+    key_hash: int
+
+    @property
+    def n(self) -> int:
+        return len(self.key_ids)
+
+
+@dataclass
+class StoreStats:
+    prefix_puts: int = 0
+    session_puts: int = 0
+    prefix_hits: int = 0
+    session_hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    declined_big: int = 0
+    declined_short: int = 0
+    refused: int = 0  # no room after evicting everything (the memory policy said no)
+    collisions: int = 0  # a bucket's entry whose tokens differed from the prompt's
+    shed: int = 0
+    counters: dict = field(default_factory=dict)
+
+
+class StateStore:
+    def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, *,
+                 entry_nbytes: int, boundaries: int = 1, session_trim: bool = False,
+                 hash_fn: Callable[[Sequence[int]], int] = token_hash):
+        if boundaries < 0:
+            raise ValueError("boundaries must be >= 0")
+        self.engine = engine
+        self.memory = memory
+        self.chunk = engine.prefix_chunk
+        self.entry_nbytes = entry_nbytes
+        self.boundaries = boundaries
+        # Without speculation no commit is ever pending, so trimming one is a no-op: the knob
+        # is kept so that a speculative engine's settle() path has its switch (spec).
+        self.session_trim = session_trim
+        self.hash_fn = hash_fn
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, LRU first
+        self._buckets: dict[int, list[_Entry]] = {}  # hash -> entries
+        self._planned: set[int] = set()  # grid lines of the running prefill to snapshot
+        self._said: OrderedDict[str, None] = OrderedDict()
+        self.stats = StoreStats()
+
+    # -- sizes -----------------------------------------------------------------------------
+
+    def snapshot_nbytes(self, num_tokens: int) -> int:
+        state = self.engine.cache_state()
+        return SectionsCopy.nbytes_of(state) + RowsCopy.nbytes_of(state, num_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.memory.held[LEVEL]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- lookup and restore ----------------------------------------------------------------
+
+    def offer(self, prompt_ids: Sequence[int]) -> tuple[int, _Entry | None]:
+        """The longest entry whose tokens start the prompt with at least one token left to
+        forward: (its length, the entry), or (0, None). Side-effect free but for counters."""
+        prompt = list(prompt_ids)
+        limit = len(prompt) - 1
+        for n in sorted({e.n for e in self._entries.values()}, reverse=True):
+            if n > limit:
+                continue
+            head = prompt[:n]
+            for entry in self._buckets.get(self.hash_fn(head), ()):
+                if entry.n != n:
+                    continue
+                if entry.key_ids == head:  # element by element: the hash is only a hint
+                    return n, entry
+                self.stats.collisions += 1
+        return 0, None
+
+    def restore(self, entry: _Entry, prompt_ids: Sequence[int]) -> int:
+        """Write ``entry`` back into the engine's buffers and put the engine at its length.
+        The tokens are compared again here: nothing is restored for a prompt they do not
+        start."""
+        n = entry.n
+        if list(prompt_ids[:n]) != entry.key_ids:
+            raise ValueError("a state store entry restored for a prompt it does not start")
+        eng = self.engine
+        state = eng.cache_state()
+        entry.sections.restore(state)
+        entry.rows.restore(state, 0, n)
+        eng.resume_at(n, entry.key_ids)
+        eng.taint = entry.taint
+        self._entries.move_to_end(id(entry))
+        if entry.kind == "prefix":
+            self.stats.prefix_hits += 1
+        else:
+            self.stats.session_hits += 1
+        return n
+
+    def count_miss(self) -> None:
+        self.stats.misses += 1
+
+    # -- the prefix cache ------------------------------------------------------------------
+
+    def plan_prefix(self, prompt_ids: Sequence[int], start: int) -> list[int]:
+        """The grid lines of the prefill from ``start`` to snapshot: the longest ``boundaries``
+        lines above ``start`` whose snapshot fits the entry cap (0: every such line)."""
+        lines = [line for line in range((start // self.chunk + 1) * self.chunk,
+                                        len(prompt_ids) + 1, self.chunk)
+                 if self.snapshot_nbytes(line) <= self.entry_nbytes]
+        if self.boundaries:
+            lines = lines[-self.boundaries:]
+        self._planned = set(lines)
+        return sorted(self._planned)
+
+    def on_chunk(self, end: int) -> None:
+        """After a prefill chunk: a prefix snapshot at a planned line, only when no row below it
+        was written by decoding (taint), so that its resume is a cold prefill's bit for bit."""
+        if end not in self._planned:
+            return
+        self._planned.discard(end)
+        eng = self.engine
+        if eng.taint is not None and eng.taint < end:
+            return
+        self._put(list(eng.token_ids[:end]), "prefix", None)
+
+    def end_prefill(self) -> None:
+        self._planned = set()
+
+    # -- the session cache -----------------------------------------------------------------
+
+    def put_session(self, committed_ids: Sequence[int], conversation: str | None) -> bool:
+        """After a turn: the state of the rows in place, keyed by their tokens, when they are
+        the conversation's committed tokens. Declined, before anything is cloned, when the
+        engine is ahead of them (declined_short) or the snapshot is over the cap
+        (declined_big)."""
+        eng = self.engine
+        n = eng.length
+        if n == 0:
+            return False
+        committed = list(committed_ids)
+        if n > len(committed) or eng.token_ids != committed[:n]:
+            # The state absorbed tokens the turn did not commit. session_trim would cut a
+            # pending commit back first; without speculation there is none to cut.
+            self._decline("short", conversation, committed,
+                          f"the engine is {n} rows in, past the {len(committed)} committed "
+                          "tokens it is keyed by")
+            return False
+        nbytes = self.snapshot_nbytes(n)
+        if nbytes > self.entry_nbytes:
+            self._decline("big", conversation, committed,
+                          f"a {n}-token snapshot is {nbytes} bytes, over the entry cap of "
+                          f"{self.entry_nbytes}")
+            return False
+        return self._put(list(eng.token_ids), "session", eng.taint)
+
+    def _decline(self, reason: str, conversation: str | None, committed: list[int],
+                 detail: str) -> None:
+        if reason == "big":
+            self.stats.declined_big += 1
+        else:
+            self.stats.declined_short += 1
+        who = conversation or f"head:{self.hash_fn(committed[:self.chunk]):x}"
+        if who in self._said:
+            return
+        self._said[who] = None
+        while len(self._said) > SAID_MAX:
+            self._said.popitem(last=False)
+        log.info("store_put_declined", reason=reason, conversation=conversation, detail=detail)
+
+    # -- puts ------------------------------------------------------------------------------
+
+    def _find(self, key_ids: list[int]) -> _Entry | None:
+        for entry in self._buckets.get(self.hash_fn(key_ids), ()):
+            if entry.key_ids == key_ids:
+                return entry
+        return None
+
+    def reserve(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` at the store's level, made by evicting the least recently used
+        entries, taken *before* the snapshot is cloned."""
+        if nbytes > self.entry_nbytes or nbytes > self.memory.budgets.get(LEVEL, 0):
+            return False
+        while not self.memory.reserve(LEVEL, nbytes):
+            if not self._evict_lru():
+                return False
+        return True
+
+    def _put(self, key_ids: list[int], kind: str, taint: int | None) -> bool:
+        same = self._find(key_ids)
+        if same is not None:
+            if not (kind == "prefix" and same.kind == "session"):
+                self._entries.move_to_end(id(same))
+                return True
+            # The same tokens held as a session's state (decoding wrote it): the prefill's
+            # state replaces it, since a resume there is then a cold prefill's bit for bit.
+            self._drop(same)
+        eng = self.engine
+        n = len(key_ids)
+        nbytes = self.snapshot_nbytes(n)
+        if not self.reserve(nbytes):
+            self.stats.refused += 1
+            return False
+        eng.settle()
+        state = eng.cache_state()
+        entry = _Entry(key_ids=key_ids, kind=kind, sections=SectionsCopy.take(state),
+                       rows=RowsCopy.take(state, 0, n),
+                       taint=taint if taint is not None and taint < n else None,
+                       nbytes=nbytes, key_hash=self.hash_fn(key_ids))
+        self._entries[id(entry)] = entry
+        self._buckets.setdefault(entry.key_hash, []).append(entry)
+        if kind == "prefix":
+            self.stats.prefix_puts += 1
+        else:
+            self.stats.session_puts += 1
+        return True
+
+    def _drop(self, entry: _Entry) -> None:
+        del self._entries[id(entry)]
+        bucket = self._buckets[entry.key_hash]
+        bucket.remove(entry)
+        if not bucket:
+            del self._buckets[entry.key_hash]
+        self.memory.release(LEVEL, entry.nbytes)
+
+    def _evict_lru(self) -> bool:
+        if not self._entries:
+            return False
+        _, entry = next(iter(self._entries.items()))
+        self._drop(entry)
+        self.stats.evictions += 1
+        return True
+
+    def shed(self, need_nbytes: int) -> int:
+        """The governor's call: drop least recently used entries until ``need_nbytes`` are
+        freed (or none is left); the bytes freed."""
+        freed = 0
+        while freed < need_nbytes and self._entries:
+            _, entry = next(iter(self._entries.items()))
+            freed += entry.nbytes
+            self._drop(entry)
+            self.stats.shed += 1
+        return freed
+
+    def clear(self) -> None:
+        while self._entries:
+            self._drop(next(iter(self._entries.values())))
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def statistics(self) -> dict:
+        s = self.stats
+        return {
+            "entries": len(self._entries),
+            "prefix_entries": sum(1 for e in self._entries.values() if e.kind == "prefix"),
+            "session_entries": sum(1 for e in self._entries.values() if e.kind == "session"),
+            "bytes": self.memory.held[LEVEL], "budget_bytes": self.memory.budgets.get(LEVEL, 0),
+            "entry_cap_bytes": self.entry_nbytes,
+            "prefix_puts": s.prefix_puts, "session_puts": s.session_puts,
+            "prefix_hits": s.prefix_hits, "session_hits": s.session_hits, "misses": s.misses,
+            "evictions": s.evictions, "declined_big": s.declined_big,
+            "declined_short": s.declined_short, "refused": s.refused,
+            "collisions": s.collisions, "shed": s.shed,
+        }
+
+    def check_invariants(self) -> None:
+        held = self.memory.held[LEVEL]
+        assert held == sum(e.nbytes for e in self._entries.values()), "store bytes"
+        assert held <= self.memory.budgets.get(LEVEL, 0), "store over its budget"
+        indexed = [e for bucket in self._buckets.values() for e in bucket]
+        assert len(indexed) == len(self._entries), "bucket index out of step"
+        for entry in self._entries.values():
+            assert entry.nbytes <= self.entry_nbytes, "an entry over the cap"
+            assert entry.rows.stop == entry.n and entry.rows.start == 0, "rows and key differ"
+            assert entry.key_hash == self.hash_fn(entry.key_ids), "entry under a wrong hash"

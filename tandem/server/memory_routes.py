@@ -1,0 +1,95 @@
+"""The memory governor over HTTP: GET /v1/memory (its report), POST /v1/memory/limits (edit the
+three limits live) and its two metric families on /metrics.
+
+    POST /v1/memory/limits {"mem_ceiling_gib": 60, "mem_peak_gib": 70, "reserve_slack_gib": 2}
+
+Any subset of the three keys; the rest keep their values. A set that breaks
+0 <= slack < ceiling <= peak is a 400 and changes nothing. The edit goes to the governor actor,
+which swaps the limits whole; the engine thread holds to them from its next reserve or prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.actors.governor import GetMemoryReport, MemoryReport, SetMemoryLimits
+from tandem.server.errors import ApiError, bad_request
+from tandem.server.keys import SUPERVISOR
+
+LIMIT_KEYS = ("mem_ceiling_gib", "mem_peak_gib", "reserve_slack_gib")
+
+
+class _MemoryCollector:
+    """tandem_memory_bytes{level} (each cache level, and "engine": what is measured held) and
+    tandem_memory_shed_total{level}, read from the governor's core when scraped."""
+
+    def __init__(self, governor: Any) -> None:
+        self.governor = governor
+
+    def collect(self):
+        report = self.governor.statistics()
+        held = GaugeMetricFamily("tandem_memory_bytes",
+                                 "Bytes each cache level holds; level=engine: what the engine "
+                                 "holds as measured (allocated plus the allocator's reserve).",
+                                 labels=["level"])
+        for level, nbytes in report["levels"].items():
+            held.add_metric([level], nbytes)
+        held.add_metric(["engine"], report["held_bytes"])
+        yield held
+        shed = CounterMetricFamily("tandem_memory_shed",
+                                   "Times the governor shed a cache level to make room.",
+                                   labels=["level"])
+        for level, count in report["shed_total"].items():
+            shed.add_metric([level], count)
+        yield shed
+        limits = GaugeMetricFamily("tandem_memory_limit_bytes",
+                                   "The governor's limits: ceiling, peak and slack.",
+                                   labels=["limit"])
+        for name, nbytes in report["limits_bytes"].items():
+            limits.add_metric([name], nbytes)
+        yield limits
+
+
+def add_memory(*, app_metrics: Any, governor: Any) -> None:
+    app_metrics.registry.register(_MemoryCollector(governor))
+
+
+def add_memory_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/memory", memory_report)
+    app.router.add_post("/v1/memory/limits", set_memory_limits)
+
+
+def _governor(request: web.Request):
+    supervisor = request.app.get(SUPERVISOR)
+    actor = supervisor.actors.get("governor") if supervisor is not None else None
+    if actor is None:
+        raise ApiError(404, "no memory governor runs in this server", code="no_governor")
+    return actor
+
+
+async def memory_report(request: web.Request) -> web.Response:
+    reply = await _governor(request).ask(GetMemoryReport(), 5.0, sender="server")
+    return web.json_response(reply.report)
+
+
+async def set_memory_limits(request: web.Request) -> web.Response:
+    governor = _governor(request)
+    try:
+        body = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict) or not set(body) <= set(LIMIT_KEYS) or not body:
+        raise bad_request(f"the body must be an object with some of {list(LIMIT_KEYS)}",
+                          code="invalid_limits")
+    for key, value in body.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise bad_request(f"{key} must be a number of GiB >= 0", param=key,
+                              code="invalid_limits")
+    reply: MemoryReport = await governor.ask(SetMemoryLimits(**body), 5.0, sender="server")
+    if reply.error is not None:
+        raise bad_request(reply.error, code="invalid_limits")
+    return web.json_response(reply.report)
