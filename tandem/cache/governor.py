@@ -269,13 +269,19 @@ class MemoryGovernor:
         return base + self.stats.workspace_raised_nbytes
 
     def before_prefill(self, num_tokens: int) -> int:
-        """Make room for a prefill over ``num_tokens`` context tokens: the allocator's reserve
-        goes back, then caches cheapest first until the workspace fits under the peak. Raises
+        """Make room for a prefill over ``num_tokens`` context tokens: when it does not fit, the
+        allocator's reserve goes back, then caches cheapest first until the workspace fits under
+        the peak. Raises
         `MemoryRefused` when it still does not; the workspace estimate otherwise."""
-        self.allocator.release_reserve()
         peak = self._limits.peak_nbytes
         workspace = self.workspace_nbytes(num_tokens)
         held = self.measure().held_nbytes
+        if held + workspace > peak:
+            # The allocator's free blocks go back only when the prefill needs their room (the
+            # spec's order: the reserve first, then caches): memory handed back costs page
+            # faults when it is touched again.
+            self.allocator.release_reserve()
+            held = self.measure().held_nbytes
         if held + workspace > peak:
             held = self._shed(LEVELS, lambda h: h + workspace <= peak, held + workspace - peak)
         if held + workspace > peak:
