@@ -138,6 +138,10 @@ class EngineActor(Actor):
         # Beside the resident end anchor: its rows' tokens, generation regions and hidden
         # spans (engine thread only).
         self._record: EndRecord | None = None
+        # The parked conversation's record, when the park holds its end: it moves with the
+        # park, so a copy of that conversation aligns to its end too (spec: "The park keeps
+        # the end anchor too").
+        self._parked_record: EndRecord | None = None
         self._alignments: dict[str, int] = {}  # how copies met the end anchor, by mode
         self._replays = 0  # turns whose copy lacked hidden spans that were put back
         # The caches' counters as the engine thread last published them (after each
@@ -383,6 +387,7 @@ class EngineActor(Actor):
         alignment = self._align(job.prompt_ids)
         served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
+        parked_before = resident.parked
         try:
             resume = planner.begin(served, job.params.max_tokens, job.session)
         except MemoryRefused:
@@ -398,9 +403,10 @@ class EngineActor(Actor):
             # The rows in place are not trusted after a failed forward; a guest's stash goes
             # back, anything else starts again from token 0.
             planner.abort()
-            self._record = None
+            self._record = self._parked_record = None
             self._publish_cache_stats()
             raise
+        self._follow_park(parked_before, resume.source == "park")
         planner.finish(served + result.token_ids, job.session)
         planner.check_invariants()
         if not resume.guest:
@@ -411,18 +417,44 @@ class EngineActor(Actor):
         return _Outcome(result, resume.source, resume.guest, len(served) - resume.start,
                         alignment, budget)
 
+    def _follow_park(self, parked_before: Any, swapped_in: bool) -> None:
+        """Keep the end records beside the ends the resident prefix moved: a park of the rows in
+        place takes the current record along; a swap brings the parked one back."""
+        parked = self.resident.parked
+        if parked is parked_before:
+            return
+        leaving = self._record
+        if swapped_in:
+            self._record = self._parked_record
+        if parked is not None and parked.end is not None and leaving is not None \
+                and len(leaving.rows) == parked.end.length:
+            self._parked_record = leaving
+        else:
+            self._parked_record = None
+
     def _align(self, prompt: list[int]) -> Alignment | None:
-        """The client's copy met against the end anchor's rows: the prompt to serve so that the
-        engine resumes there (hidden spans put back, re-tokenised text and stripped reasoning
-        aligned), or None to serve the copy as it came."""
-        record, resident = self._record, self.resident
-        if (not self.end_align or record is None or resident.end is None
-                or resident.end.length != len(record.rows)):
+        """The client's copy met against the end anchor's rows (or, failing that, the parked
+        conversation's end): the prompt to serve so that the engine resumes there (hidden
+        spans put back, re-tokenised text and stripped reasoning aligned), or None to serve the
+        copy as it came."""
+        if not self.end_align:
             return None
-        alignment = align(record, prompt, self.tokenizer.token_bytes,
-                          allow_reasoning=self.end_align_reasoning)
-        if alignment is None or len(alignment.served) <= len(record.rows):
-            return None  # nothing new to forward: serve the copy as it came
+        resident = self.resident
+        candidates = []
+        if resident.end is not None and self._record is not None \
+                and resident.end.length == len(self._record.rows):
+            candidates.append(self._record)
+        parked = resident.parked
+        if parked is not None and parked.end is not None and self._parked_record is not None \
+                and parked.end.length == len(self._parked_record.rows):
+            candidates.append(self._parked_record)
+        for record in candidates:
+            alignment = align(record, prompt, self.tokenizer.token_bytes,
+                              allow_reasoning=self.end_align_reasoning)
+            if alignment is not None and len(alignment.served) > len(record.rows):
+                break
+        else:
+            return None  # nothing aligns, or nothing new to forward: serve the copy as it came
         self._alignments[alignment.mode] = self._alignments.get(alignment.mode, 0) + 1
         if alignment.replayed_hidden:
             self._replays += 1

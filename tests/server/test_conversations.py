@@ -121,3 +121,27 @@ async def test_forced_output_is_refused_unless_the_server_allows_it(small_loaded
         with pytest.raises(Exception) as info:
             await _chat(sdk(server), [{"role": "user", "content": "Hi"}], "forced")
         assert info.value.status_code == 403
+
+
+async def test_a_short_open_webui_chat_comes_back_from_the_park_at_its_end(server, sdk):
+    """A chat too short for its follow-up requests to be guests: each follow-up (no session
+    key, parts from the rows) parks the chat with its end; the next turn's copy, its reasoning
+    stripped, aligns to the parked end and the park swaps it back (greedy gate)."""
+    client = sdk(server)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    first = await _chat(client, messages, "A short answer will do.\n</think>\n\nBlue.")
+    answer = first.choices[0].message
+    for turn in range(2):
+        follow = await _chat(client, [{"role": "user", "content": "Suggest 3 follow-up "
+                                       "questions for this chat: ### Task ... " * 3}],
+                             "Ok.\n</think>\n\n[\"Why?\", \"How?\"]")
+        assert not follow.usage.model_extra["tandem"]["cache"]["source"] == "park"
+        messages += [{"role": "assistant", "content": answer.content},
+                     {"role": "user", "content": f"Another one, please ({turn})."}]
+        resp = await _chat(client, messages, f"Again {turn}.\n</think>\n\nGreen.")
+        cache = _cache(resp)
+        assert (cache["source"], cache["aligned"]) == ("park", "reasoning"), cache
+        assert cache["reread"] < 30
+        answer = resp.choices[0].message
+    stats = server.app[CACHE_STATS]()["tiers"]["resident"]
+    assert stats["park_hits"] == 2 and stats["guests"] == 0
