@@ -41,6 +41,7 @@ from tandem.actors.engine_messages import (
     GenerationFinished,
     GenerationRejected,
     GenerationStarted,
+    PrefillAdmitted,
     ReleaseCaptureLock,
     RequestCaptureLock,
     TokenGenerated,
@@ -376,6 +377,7 @@ class EngineActor(Actor):
         if resident is None:
             if self.governor is not None:
                 self.governor.before_prefill(len(job.prompt_ids))
+            self._post(job, PrefillAdmitted(job.request_id))
             try:
                 result = engine.generate(job.prompt_ids, job.params, on_token=on_token,
                                          should_cancel=job.cancel.is_set, force=force)
@@ -395,6 +397,7 @@ class EngineActor(Actor):
             # governor may have shed caches on the way, which the stats show.
             self._publish_cache_stats()
             raise
+        self._post(job, PrefillAdmitted(job.request_id))
         try:
             result = engine.generate(served, job.params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,

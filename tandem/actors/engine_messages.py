@@ -83,6 +83,14 @@ class GenerationStarted(Message):
     queued_ms: float
 
 
+class PrefillAdmitted(Message):
+    """Sender: the engine thread, to the request's sink, once the memory governor found room for
+    the prefill's workspace and the caches restored its rows: nothing can refuse it any more, so
+    a streaming server may send its headers (a refusal before it is a 503 with Retry-After)."""
+
+    request_id: str
+
+
 class TokenGenerated(Message):
     """Sender: the engine, to the request's sink, once per sampled token, in order."""
 

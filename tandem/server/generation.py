@@ -29,6 +29,7 @@ from tandem.actors.engine_messages import (
     GenerationParams,
     GenerationRejected,
     GenerationStarted,
+    PrefillAdmitted,
     TokenGenerated,
 )
 from tandem.cache.response import CachedResponse
@@ -104,6 +105,7 @@ class Run:
         self.arrived_s = arrived_s
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
+        self._held: list = []  # events ``admitted`` read past, for ``texts``
         self._decoder = state.tokenizer.stream_decoder()
         self._stops = StopStrings(stops)
         self.started = False  # the engine accepted it
@@ -130,6 +132,7 @@ class Run:
             return False
         put = self._events.put_nowait
         put(GenerationStarted(self.request_id, len(self.prompt_ids), 0.0))
+        put(PrefillAdmitted(self.request_id))
         for index, (token_id, hidden) in enumerate(hit.tokens):
             put(TokenGenerated(self.request_id, token_id, index, hidden))
         put(msgspec.structs.replace(hit.finished, request_id=self.request_id))
@@ -182,14 +185,38 @@ class Run:
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
+    async def admitted(self) -> None:
+        """Wait until the engine admits the prefill, so that a refusal (the governor found no
+        room: 503 with Retry-After) is answered before a streaming response sends its headers.
+        Token events that follow stay queued for ``texts``."""
+        while True:
+            msg = await self._events.get()
+            match msg:
+                case PrefillAdmitted():
+                    return
+                case GenerationFailed():
+                    self.ended = True
+                    self.finish_reason = "error"
+                    raise _failure_error(msg)
+                case GenerationStarted():
+                    pass
+                case _:
+                    # An engine that never admits (a test double): what came is read first.
+                    self._held.append(msg)
+                    if isinstance(msg, GenerationFinished):
+                        return
+
+    async def _next_event(self):
+        return self._held.pop(0) if self._held else await self._events.get()
+
     async def texts(self) -> AsyncIterator[str]:
         """The answer's text deltas, until the engine's last event or a stop string."""
         while not self.ended:
-            msg = await self._events.get()
+            msg = await self._next_event()
             if isinstance(msg, TokenGenerated):
                 self._generated.append((msg.token_id, msg.hidden))
             match msg:
-                case GenerationStarted():
+                case GenerationStarted() | PrefillAdmitted():
                     pass
                 case TokenGenerated(hidden=True):
                     pass  # in the rows, never in the answer nor in usage
@@ -229,7 +256,7 @@ class Run:
         try:
             async with asyncio.timeout(CANCEL_WAIT_S):
                 while not self.ended:
-                    msg = await self._events.get()
+                    msg = await self._next_event()
                     if isinstance(msg, GenerationFinished):
                         self._finished(msg, keep_reason=True)
                     elif isinstance(msg, GenerationFailed):

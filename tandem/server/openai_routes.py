@@ -305,8 +305,9 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
                     delta = {"tool_calls": [{"index": i, **call}]}
             await stream.write(_chunk(ctx, run, _delta(delta), with_usage=include_usage))
 
-    # Headers and the role go out at once: the client sees the request taken while it waits
-    # for the engine (the window was checked already, so a late failure is rare).
+    # Headers and the role go out once the engine admitted the prefill: until then the memory
+    # governor may still refuse it, which is a 503 with Retry-After, not a broken stream.
+    await run.admitted()
     await stream.write(_chunk(ctx, run, _delta({"role": "assistant", "content": ""}),
                               with_usage=include_usage))
     try:
@@ -411,6 +412,7 @@ async def _answer_completion(ctx: _Request, req: CompletionRequest, run: Run, ex
             doc["usage"] = usage
         return b"data: " + _json.encode(doc) + b"\n\n"
 
+    await run.admitted()  # a refusal before here is a 503, as for the chat stream
     await stream.prepare()
     try:
         async for text in run.texts():

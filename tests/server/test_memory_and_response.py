@@ -32,6 +32,15 @@ async def test_a_prefill_that_cannot_fit_gets_503_then_runs_once_the_limits_are_
             assert resp.status == 503
             assert int(resp.headers["Retry-After"]) >= 1
             assert (await resp.json())["error"]["code"] == "no_memory"
+        # A streamed request is refused before its headers go out: the same 503.
+        chat = {"model": "small", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 3, "stream": True}
+        async with http.post(url + "/v1/chat/completions", json=chat) as resp:
+            assert resp.status == 503
+            assert int(resp.headers["Retry-After"]) >= 1
+            assert (await resp.json())["error"]["code"] == "no_memory"
+        async with http.post(url + "/v1/completions", json={**body, "stream": True}) as resp:
+            assert resp.status == 503
         async with http.post(url + "/v1/memory/limits", json={"mem_ceiling_gib": 0.5}) as resp:
             assert resp.status == 400  # over the peak: refused, nothing changed
         async with http.post(url + "/v1/memory/limits", json={
@@ -39,7 +48,7 @@ async def test_a_prefill_that_cannot_fit_gets_503_then_runs_once_the_limits_are_
             assert resp.status == 200
             report = await resp.json()
             assert report["limits"]["mem_peak_gib"] == 1100
-            assert report["refusals"] == 1
+            assert report["refusals"] == 3
         async with http.post(url + "/v1/completions", json=body) as resp:
             assert resp.status == 200
         async with http.get(url + "/v1/memory") as resp:
