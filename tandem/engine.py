@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from tandem.models.base import CacheState, Cost, Model, ModelError
+from tandem.tokens import common_prefix
 
 
 class ContextOverflow(ModelError):
@@ -173,11 +174,7 @@ class Engine:
     # -- forwarding ------------------------------------------------------------------------
 
     def common_prefix(self, token_ids: Sequence[int]) -> int:
-        n = 0
-        limit = min(len(token_ids), self.length)
-        while n < limit and token_ids[n] == self.token_ids[n]:
-            n += 1
-        return n
+        return common_prefix(list(token_ids), self.token_ids)
 
     def prefill(self, token_ids: Sequence[int],
                 on_chunk: Callable[[int], None] | None = None) -> torch.Tensor:

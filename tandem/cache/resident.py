@@ -21,6 +21,7 @@ import structlog
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.memory import MemoryAccountant
 from tandem.models.base import CacheState
+from tandem.tokens import common_prefix
 
 log = structlog.get_logger()
 
@@ -111,13 +112,6 @@ class ResidentStats:
     counters: dict = field(default_factory=dict)
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
-
-
 class ResidentPrefix:
     def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, *,
                  guest_max: int = 8192, keep_newest: int = 4, end_anchor: bool = True,
@@ -185,7 +179,7 @@ class ResidentPrefix:
         whether it continues them."""
         eng = self.engine
         limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
-        c = _common(prompt, eng.token_ids)
+        c = common_prefix(prompt, eng.token_ids)
         continuing = c >= eng.length and eng.length <= limit
         if not continuing and self._is_guest(prompt, c):
             start = self._best_anchor(min(c, limit))
@@ -217,7 +211,7 @@ class ResidentPrefix:
         no higher than either side's taint, since an anchor over decoded rows would otherwise
         pass for a cold prefill's; the end anchor goes with its rows."""
         eng = self.engine
-        keep = _common(eng.token_ids, list(token_ids[:n]))
+        keep = common_prefix(eng.token_ids, list(token_ids[:n]))
         for t in (eng.taint, taint):
             if t is not None:
                 keep = min(keep, t)
@@ -441,7 +435,7 @@ class ResidentPrefix:
         state = eng.cache_state()
         if self.pinned is not None:
             # The head already pinned is kept when the rows in place share it whole.
-            if _common(self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids):
+            if common_prefix(self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids):
                 return
             self._drop_pin()
         budget = self.memory.room("pin")
@@ -472,17 +466,17 @@ class ResidentPrefix:
     def _pin_offer(self, prompt: list[int], limit: int) -> int:
         if self.pinned is None:
             return 0
-        cp = _common(prompt, self.pinned.token_ids)
+        cp = common_prefix(prompt, self.pinned.token_ids)
         return max((line for line in self.pinned.anchors if line <= min(cp, limit)), default=0)
 
     def _swap_in_pin(self, prompt: list[int], line: int, session: str | None) -> Resume:
         eng, pin = self.engine, self.pinned
         state = eng.cache_state()
-        c = _common(prompt, eng.token_ids)
+        c = common_prefix(prompt, eng.token_ids)
         if self._other_session(session) and eng.length > c:
             self._park_current(self._best_anchor(c))
         # Rows both prompts share stay; the rest of the head is copied back.
-        shared = min(_common(pin.token_ids, eng.token_ids), line)
+        shared = min(common_prefix(pin.token_ids, eng.token_ids), line)
         self.anchors_drop_above(shared)
         self.end = None
         pin.rows.restore(state, shared, line)
@@ -549,7 +543,7 @@ class ResidentPrefix:
         park = self.parked
         if park is None or self.engine.token_ids[:park.head] != park.token_ids[:park.head]:
             return 0  # the shared head has to be in place
-        cp = min(_common(prompt, park.token_ids), limit)
+        cp = min(common_prefix(prompt, park.token_ids), limit)
         if park.end is not None and park.end.length <= cp:
             return park.end.length
         return max((line for line in park.anchors if line <= cp), default=0)

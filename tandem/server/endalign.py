@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Literal
 
+from tandem.tokens import common_prefix
+
 WHITESPACE = b" \t\n\r"
 """The bytes the alignment ignores (what the template's trims and JSON re-spelling change)."""
 
@@ -218,21 +220,6 @@ def align(record: EndRecord, prompt: Sequence[int], token_bytes: TokenBytes, *,
     cut, hidden, reasoning = found
     return Alignment(rows + prompt[cut:], cut, "reasoning" if reasoning else "glue",
                      hidden, reasoning)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The number of leading tokens ``a`` and ``b`` share (slices compared a block at a time)."""
-    n = min(len(a), len(b))
-    i, step = 0, 4096
-    while i < n:
-        j = min(n, i + step)
-        if a[i:j] == b[i:j]:
-            i = j
-            continue
-        while a[i] == b[i]:
-            i += 1
-        return i
-    return n
 
 
 # ---------------------------------------------------------------------------------------------
