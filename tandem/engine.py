@@ -54,6 +54,20 @@ class SamplingParams:
 
 
 @dataclass
+class PendingCommit:
+    """A verify block's rows past the last landed state (spec: "pending commit").
+
+    ``steps`` holds every section's value after each of the block's positions; ``index`` is the
+    last accepted one. The sections in place are still the state before the block, so cutting
+    the commit back (trim_pending) is choosing another index, or dropping the block's rows."""
+
+    start: int  # the block's first row
+    steps: dict[str, torch.Tensor]
+    index: int
+    taint_before: int | None
+
+
+@dataclass
 class GenerationResult:
     token_ids: list[int]
     finish_reason: str  # "stop", "length" or "cancelled"
@@ -63,6 +77,8 @@ class GenerationResult:
     decode_ms: float
     stop_token: int | None = None
     timings: dict = field(default_factory=dict)
+    drafted: int = 0  # tokens the drafter proposed
+    accepted: int = 0  # of them, those the target agreed with
 
     @property
     def decode_tok_s(self) -> float:
@@ -93,9 +109,13 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if p.greedy:
+        if self.params.greedy:
             return int(torch.argmax(logits))
+        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution a sampled token is drawn from (temperature, top-k, top-p)."""
+        p = self.params
         scores = logits.float() / p.temperature
         if p.top_k:
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
@@ -107,7 +127,28 @@ class Sampler:
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return probs
+
+    def judge(self, logits: torch.Tensor, draft: int) -> int:
+        """The target's token at a drafted position: ``draft`` when accepted, else another.
+
+        Greedy accepts the draft when it is the argmax. Sampled follows the speculative
+        sampling rule for a drafter that proposes one token with certainty: accept with
+        probability p(draft), otherwise draw from p with the draft taken out, renormalised;
+        the token then has exactly the distribution p (Leviathan et al., 2023)."""
+        if self.params.greedy:
+            return int(torch.argmax(logits))
+        probs = self.probs(logits)
+        probs = probs / probs.sum()  # top-p leaves the kept head unnormalised
+        accept = probs[draft].item()
+        if torch.rand((), generator=self.generator).item() < accept:
+            return draft
+        residual = probs.clone()
+        residual[draft] = 0.0
+        total = residual.sum()
+        if total <= 0:  # p is all on the draft, so the draw above accepted it
+            return draft
+        return int(torch.multinomial(residual / total, 1, generator=self.generator))
 
 
 class Engine:
@@ -125,6 +166,7 @@ class Engine:
         self.state = model.new_state(window)
         self.token_ids: list[int] = []
         self.taint: int | None = None  # lowest row written by decoding, None when none was
+        self.pending: PendingCommit | None = None
 
     # -- the adapter interface (DESIGN.md) -------------------------------------------------
 
@@ -133,10 +175,36 @@ class Engine:
         return len(self.token_ids)
 
     def cache_state(self) -> CacheState:
+        """The live buffers, with any pending commit landed first: a copy never sees the state
+        from before a verify block."""
+        self.settle()
         return CacheState(sections=self.state.sections, views=self.state.views)
 
     def settle(self) -> None:
-        """Land a pending commit before a copy. Without speculation nothing is ever pending."""
+        """Land a pending commit: the accepted position's sections become the state in place."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        with torch.inference_mode():
+            for name, steps in pending.steps.items():
+                self.state.sections[name].copy_(steps[pending.index])
+
+    def trim_pending(self, n: int) -> bool:
+        """Cut the rows back to ``n`` inside a pending commit (a generation that stopped part
+        way through an accepted block). False when the state already absorbed rows past ``n``
+        (settled, or a block before this one), which only a cache can undo."""
+        if n == self.length:
+            return True
+        pending = self.pending
+        if pending is None or not pending.start <= n < self.length:
+            return False
+        if n == pending.start:
+            self.pending = None  # the sections in place are the state before the block
+            self.taint = pending.taint_before
+        else:
+            pending.index = n - pending.start - 1
+        del self.token_ids[n:]
+        return True
 
     def resume_at(self, n: int, token_ids: Sequence[int] | None = None) -> None:
         """Put the engine at length ``n`` after a copy of the state at ``n`` was written back.
@@ -144,6 +212,10 @@ class Engine:
         ``token_ids`` names the rows when they came from elsewhere; without it the rows in place
         are cut back to ``n`` (their recurrent state must have been restored by the caller).
         """
+        if token_ids is None and n == self.length:
+            self.settle()
+        else:
+            self.pending = None  # the caller wrote the sections of the rows at n
         if token_ids is not None:
             if len(token_ids) < n:
                 raise ValueError(f"resume_at({n}) with only {len(token_ids)} token ids")
@@ -192,6 +264,7 @@ class Engine:
                              f"{len(token_ids)} in the prompt")
         if list(token_ids[:n]) != self.token_ids:
             raise ValueError("the rows in place are not a prefix of the prompt; resume_at first")
+        self.settle()
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         logits = None
         with torch.inference_mode():
@@ -204,6 +277,7 @@ class Engine:
 
     def decode(self, token_id: int) -> torch.Tensor:
         """Forward one generated token with the recurrent step; its row is tainted."""
+        self.settle()
         pos = self.length
         if pos >= self.window:
             raise ContextOverflow(pos + 1, self.window)
@@ -214,11 +288,39 @@ class Engine:
             self.taint = pos
         return logits
 
+    def verify(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Forward a verify block (the last sampled token and the drafts) in one forward; every
+        position's logits ``[n, vocab]``. The rows of the whole block are written and the commit
+        is left pending at its last position until ``accept``, the next forward or ``settle``."""
+        self.settle()
+        pos, n = self.length, len(token_ids)
+        if pos + n > self.window:
+            raise ContextOverflow(pos + n, self.window)
+        with torch.inference_mode():
+            logits, steps = self.model.forward_verify(
+                self.state, torch.tensor(list(token_ids), dtype=torch.long), pos)
+        self.pending = PendingCommit(pos, steps, n - 1, self.taint)
+        self.token_ids.extend(int(t) for t in token_ids)
+        if self.taint is None:
+            self.taint = pos
+        return logits
+
+    def accept(self, count: int) -> None:
+        """Keep the pending block's first ``count + 1`` positions (its first token and
+        ``count`` drafts); the rows above are invalid and never read."""
+        pending = self.pending
+        if pending is None or not 0 <= count <= pending.index:
+            raise ValueError(f"accept({count}) without a pending block that long")
+        pending.index = count
+        del self.token_ids[pending.start + count + 1:]
+
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                  on_token: Callable[[int], bool] | None = None,
                  should_cancel: Callable[[], bool] | None = None,
                  on_chunk: Callable[[int], None] | None = None,
-                 force: Callable[[list[int]], int | None] | None = None) -> GenerationResult:
+                 force: Callable[[list[int]], int | None] | None = None,
+                 draft: Callable[[list[int], int], list[int]] | None = None,
+                 draft_max: int = 0) -> GenerationResult:
         """Prefill the prompt (resuming over the rows in place it shares), then decode.
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
@@ -227,6 +329,12 @@ class Engine:
         hidden close, a replay's recorded answer); a forced token still counts for stops.
         The last sampled token is never forwarded: the rows end one short of prompt + output,
         as every engine's do.
+
+        ``draft(context, k)`` (speculation) proposes up to ``draft_max`` tokens to follow the
+        context; they are checked in one verify block and the longest prefix the target agrees
+        with is kept (greedy: the argmax; sampled: the speculative sampling rule), so the output
+        is the target's. A generation that stops inside an accepted block leaves the rows ahead
+        of its output in a pending commit (``trim_pending`` cuts them back).
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
@@ -243,27 +351,63 @@ class Engine:
         t1 = time.perf_counter()
         sampler = Sampler(params)
         out: list[int] = []
+        context = list(prompt_ids)
         finish, stop_token = "length", None
         stops = set(params.stop_token_ids)
-        while len(out) < params.max_tokens:
-            forced = force(out) if force is not None else None
-            token = sampler(logits) if forced is None else forced
+        drafted = accepted = 0
+
+        def take(token: int) -> bool:
+            """Emit one token; True when the generation ends with it."""
+            nonlocal finish, stop_token
             if token in stops:
                 finish, stop_token = "stop", token
-                break
+                return True
             out.append(token)
+            context.append(token)
             if on_token is not None and on_token(token):
                 finish = "stop"
-                break
-            if len(out) >= params.max_tokens:
+                return True
+            return len(out) >= params.max_tokens
+
+        def target(logits: torch.Tensor, so_far: list[int], proposal: int | None) -> int:
+            forced = force(so_far) if force is not None else None
+            if forced is not None:
+                return forced
+            return sampler(logits) if proposal is None else sampler.judge(logits, proposal)
+
+        token = target(logits, out, None) if params.max_tokens > 0 else None
+        while token is not None:
+            if take(token):
                 break
             if should_cancel is not None and should_cancel():
                 finish = "cancelled"
                 break
             if self.length >= self.window:
                 break
-            logits = self.decode(token)
+            # Drafts for the tokens still wanted after this one: the last token wanted is
+            # sampled from the block's logits, never forwarded.
+            room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, draft_max)
+            drafts = list(draft(context, room))[:room] if draft is not None and room > 0 else []
+            if not drafts:
+                token = target(self.decode(token), out, None)
+                continue
+            block = self.verify([token] + drafts)
+            drafted += len(drafts)
+            count, token = 0, None
+            for i, proposal in enumerate(drafts):
+                chosen = target(block[i], out + drafts[:i], proposal)
+                if chosen != proposal:
+                    token = chosen
+                    break
+                count += 1
+            if token is None:  # every draft accepted: the block's last logits give one more
+                token = target(block[len(drafts)], out + drafts, None)
+            self.accept(count)
+            accepted += count
+            if any(take(d) for d in drafts[:count]):
+                break
         t2 = time.perf_counter()
         return GenerationResult(token_ids=out, finish_reason=finish, prompt_tokens=len(prompt_ids),
                                 reused_tokens=reuse, prefill_ms=(t1 - t0) * 1000,
-                                decode_ms=(t2 - t1) * 1000, stop_token=stop_token)
+                                decode_ms=(t2 - t1) * 1000, stop_token=stop_token,
+                                drafted=drafted, accepted=accepted)

@@ -15,6 +15,7 @@ _OPS: dict[str, Callable] = {
     "causal_conv1d": reference.causal_conv1d,
     "chunk_gated_delta_rule": reference.chunk_gated_delta_rule,
     "recurrent_gated_delta_step": reference.recurrent_gated_delta_step,
+    "recurrent_gated_delta_block": reference.recurrent_gated_delta_block,
 }
 
 
@@ -40,3 +41,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state):
 
 def recurrent_gated_delta_step(q, k, v, g, beta, state):
     return _OPS["recurrent_gated_delta_step"](q, k, v, g, beta, state)
+
+
+def recurrent_gated_delta_block(q, k, v, g, beta, state):
+    return _OPS["recurrent_gated_delta_block"](q, k, v, g, beta, state)

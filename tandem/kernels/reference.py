@@ -109,3 +109,26 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     s = s + k.transpose(-1, -2) @ delta
     state.copy_(s)
     return (q @ s).transpose(0, 1).to(out_dtype)
+
+
+def recurrent_gated_delta_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor):
+    """A speculative verify block: the decode step over T tokens, keeping every position's state.
+
+    Shapes as chunk_gated_delta_rule. Returns (o [T, Hv, dv] in v's dtype, states [T, Hv, dk, dv]
+    fp32: the state after each token). ``state`` is read, never written: the caller lands the
+    accepted position's state (Engine.settle), so a rejected tail costs nothing to undo. Each
+    token runs the arithmetic of ``recurrent_gated_delta_step`` on its own slice.
+    """
+    out_dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)  # [H, T, d]
+    s = state
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        s = s * g[:, t:t + 1].exp().unsqueeze(-1)
+        kt = k[:, t:t + 1]
+        delta = (v[:, t:t + 1] - kt @ s) * beta[:, t:t + 1].unsqueeze(-1)
+        s = s + kt.transpose(-1, -2) @ delta
+        states.append(s)
+        outs.append(q[:, t:t + 1] @ s)
+    return torch.cat(outs, dim=1).transpose(0, 1).to(out_dtype), torch.stack(states)

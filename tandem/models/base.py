@@ -96,6 +96,13 @@ class Model(Protocol):
         logits in fp32 ``[vocab]``."""
         ...
 
+    def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A speculative verify block: write the rows of every position, leave the sections as
+        they were, and return every position's logits ``[n, vocab]`` fp32 and, for each section,
+        its value after every position ``[n, *section.shape]`` (the engine lands one)."""
+        ...
+
     def cost(self, window: int) -> Cost: ...
 
     def manifest(self) -> dict[str, str]:

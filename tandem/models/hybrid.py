@@ -320,6 +320,25 @@ class HybridModel:
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False) -> torch.Tensor:
+        x = self._layers(state, token_ids, start, "decode" if decode else "prefill", None)
+        last = rms_norm(x[-1:], self.w["norm.weight"], self.config.rms_norm_eps)
+        return F.linear(last, self.w["lm_head.weight"]).float()[0]
+
+    def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A speculative verify block in one forward: every position's logits ``[n, vocab]``
+        and every position's sections (``gdn.S`` ``[n, ...]``, ``gdn.conv`` ``[n, ...]``: the
+        state after that token). The K/V rows of all ``n`` positions are written; the sections
+        in ``state`` are left as they were, for the engine to land the accepted position."""
+        steps: dict[str, list[torch.Tensor]] = {"gdn.S": [], "gdn.conv": []}
+        x = self._layers(state, token_ids, start, "verify", steps)
+        logits = F.linear(rms_norm(x, self.w["norm.weight"], self.config.rms_norm_eps),
+                          self.w["lm_head.weight"]).float()
+        return logits, {name: torch.stack(per_layer, dim=1)
+                        for name, per_layer in steps.items() if per_layer}
+
+    def _layers(self, state: ModelState, token_ids: torch.Tensor, start: int, mode: str,
+                steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
         c = self.config
         num_tokens = token_ids.shape[0]
         x = F.embedding(token_ids, self.w["embed_tokens.weight"])
@@ -328,14 +347,13 @@ class HybridModel:
             p = f"layers.{i}."
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
             if kind == "linear_attention":
-                h = self._gdn(i, h, state, decode)
+                h = self._gdn(i, h, state, mode, steps)
             else:
                 h = self._attention(i, h, state, start, cos, sin)
             x = x + h
             h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
             x = x + (self._moe(i, h) if c.is_moe_layer(i) else self._mlp(p + "mlp.", h))
-        last = rms_norm(x[-1:], self.w["norm.weight"], c.rms_norm_eps)
-        return F.linear(last, self.w["lm_head.weight"]).float()[0]
+        return x
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -358,7 +376,8 @@ class HybridModel:
         shared = self._mlp(p + "shared_expert.", h)
         return out + torch.sigmoid(F.linear(h, w[p + "shared_expert_gate.weight"])) * shared
 
-    def _gdn(self, i: int, h: torch.Tensor, state: ModelState, decode: bool) -> torch.Tensor:
+    def _gdn(self, i: int, h: torch.Tensor, state: ModelState, mode: str,
+             steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
         c, w, p = self.config, self.w, f"layers.{i}.linear_attn."
         slot = self._slot[i]
         n = h.shape[0]
@@ -380,13 +399,25 @@ class HybridModel:
             b = F.linear(h, w[p + "in_proj_b.weight"])
             a = F.linear(h, w[p + "in_proj_a.weight"])
         conv_w = w[p + "conv1d.weight"][:, 0, :]
-        mixed = kernels.causal_conv1d(mixed, state.sections["gdn.conv"][slot], conv_w)
+        tail = state.sections["gdn.conv"][slot]
+        if mode == "verify":
+            # The tail after each token: the K-1 inputs ending there, from the tail in place
+            # and the block's inputs; the tail in place stays as it was.
+            width = tail.shape[1]
+            full = torch.cat([tail.to(mixed.dtype), mixed.transpose(0, 1)], dim=1)
+            steps["gdn.conv"].append(full.unfold(1, width, 1)[:, 1:].transpose(0, 1)
+                                     .to(tail.dtype))
+            tail = tail.clone()
+        mixed = kernels.causal_conv1d(mixed, tail, conv_w)
         q, k, v = torch.split(mixed, [c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
         beta = torch.sigmoid(b)
         g = -w[p + "A_log"].float().exp() * F.softplus(a.float() + w[p + "dt_bias"])
         s = state.sections["gdn.S"][slot]
-        if decode:
+        if mode == "verify":
+            o, states = kernels.recurrent_gated_delta_block(q, k, v, g, beta, s)
+            steps["gdn.S"].append(states)
+        elif mode == "decode":
             o = kernels.recurrent_gated_delta_step(q, k, v, g, beta, s)
         else:
             o = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s)

@@ -45,6 +45,19 @@ class ThirdModel:
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False) -> torch.Tensor:
+        h, m = state.sections["rnn.h"], state.sections["mix.m"]
+        return self._run(state, token_ids, start, h, m, None)[-1]
+
+    def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
+                       start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Every position's logits and sections; the sections in ``state`` stay as they were."""
+        steps: dict[str, list[torch.Tensor]] = {"rnn.h": [], "mix.m": []}
+        h, m = state.sections["rnn.h"].clone(), state.sections["mix.m"].clone()
+        logits = self._run(state, token_ids, start, h, m, steps)
+        return logits, {name: torch.stack(v) for name, v in steps.items()}
+
+    def _run(self, state: ModelState, token_ids: torch.Tensor, start: int, h: torch.Tensor,
+             m: torch.Tensor, steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
         w = self.w
         n = token_ids.shape[0]
         end = start + n
@@ -58,15 +71,21 @@ class ThirdModel:
         mask = torch.arange(end)[None, :] > torch.arange(start, end)[:, None]
         probs = torch.softmax(scores.float().masked_fill(mask, float("-inf")), dim=-1)
         attn = torch.einsum("ts,hsd->thd", probs.to(self.dtype), vals[:, :end]).reshape(n, -1)
-        h, m = state.sections["rnn.h"], state.sections["mix.m"]
         drive = F.linear(x, w["wh"]).float()
         mix = F.linear(x, w["wm"]).float()
+        # Only the positions asked for are read out: the last one, or every one in a verify.
+        read = range(n) if steps is not None else range(n - 1, n)
+        lasts = []
         for t in range(n):  # the recurrence, token by token
             h.mul_(0.9).add_(torch.tanh(drive[t]))
             m[0].mul_(0.8).add_(torch.outer(torch.tanh(h), torch.tanh(mix[t])) * 0.1)
             m[1].copy_(torch.tanh(m[0] + m[1] * 0.5))
-        last = attn[-1].float() + h + m[1].sum(-1)
-        return F.linear(last.to(self.dtype), w["out"]).float()
+            if steps is not None:
+                steps["rnn.h"].append(h.clone())
+                steps["mix.m"].append(m.clone())
+            if t in read:
+                lasts.append(attn[t].float() + h + m[1].sum(-1))
+        return F.linear(torch.stack(lasts).to(self.dtype), w["out"]).float()
 
     def cost(self, window: int, prefix_chunk: int = 1024) -> Cost:
         el = torch.tensor([], dtype=self.dtype).element_size()
