@@ -18,7 +18,7 @@ MiB = 1 << 20
 class StoreRig:
     def __init__(self, model, window: int = 2048, *, store_nbytes: int = 64 * MiB,
                  entry_nbytes: int = 16 * MiB, boundaries: int = 1, hash_fn=token_hash,
-                 governor=None, **budget_over):
+                 governor=None, session_trim: bool = False, **budget_over):
         self.model = model
         self.engine = Engine(model, window=window, prefix_chunk=CHUNK)
         # No park by default: a parked conversation would offer what the store offers.
@@ -26,7 +26,8 @@ class StoreRig:
         self.memory = MemoryAccountant({**budgets(**over), "store": store_nbytes})
         self.resident = ResidentPrefix(self.engine, self.memory)
         self.store = StateStore(self.engine, self.memory, entry_nbytes=entry_nbytes,
-                                boundaries=boundaries, hash_fn=hash_fn)
+                                boundaries=boundaries, hash_fn=hash_fn,
+                                session_trim=session_trim)
         self.planner = Planner(self.resident, self.store, governor)
 
     def prefill(self, prompt: list[int], session: str | None = None,
@@ -39,10 +40,13 @@ class StoreRig:
         return resume, logits
 
     def turn(self, prompt: list[int], session: str | None = None,
-             max_tokens: int = 16) -> tuple[Resume, list[int]]:
+             max_tokens: int = 16, **generate) -> tuple[Resume, list[int]]:
+        """One turn; ``generate`` passes a drafter (draft, draft_max) and stop tokens."""
+        stops = tuple(generate.pop("stop_token_ids", ()))
         resume = self.planner.begin(prompt, max_tokens, session)
-        result = self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens),
-                                      on_chunk=self.planner.on_chunk)
+        result = self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
+                                                             stop_token_ids=stops),
+                                      on_chunk=self.planner.on_chunk, **generate)
         self.planner.finish(list(prompt) + result.token_ids, session)
         self.planner.check_invariants()
         return resume, result.token_ids

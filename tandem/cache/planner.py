@@ -82,7 +82,7 @@ class Planner:
             self.store.end_prefill()
             if committed_ids is not None:
                 self.store.put_session(committed_ids, session)
-        self.resident.finish()
+        self.resident.finish(committed_ids)
         if self.governor is not None:
             self.governor.after_prefill()
             self.governor.after_request()

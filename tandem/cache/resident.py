@@ -43,6 +43,8 @@ class SequenceEngine(Protocol):
 
     def resume_at(self, n: int, token_ids: Sequence[int] | None = None) -> None: ...
 
+    def trim_pending(self, n: int) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Resume:
@@ -109,6 +111,7 @@ class ResidentStats:
     park_hits: int = 0
     ends: int = 0
     end_hits: int = 0
+    end_absorbed: int = 0  # ends not kept: the state had absorbed uncommitted tokens
     counters: dict = field(default_factory=dict)
 
 
@@ -261,13 +264,14 @@ class ResidentPrefix:
             return
         self._take_anchor(end)
 
-    def finish(self) -> None:
-        """After a generation: a guest's rows go back; otherwise the end anchor is kept."""
+    def finish(self, committed_ids: Sequence[int] | None = None) -> None:
+        """After a generation: a guest's rows go back; otherwise the end anchor is kept, at the
+        committed tokens when they are given."""
         if self._guest_active:
             self._restore_stash()
             return
         if self.end_anchor:
-            self.keep_end()
+            self.keep_end(committed_ids)
 
     def abort(self) -> None:
         """A generation that failed mid-way: the rows in place are not trusted past line 0
@@ -279,8 +283,19 @@ class ResidentPrefix:
         self.end = None
         self.engine.resume_at(0)
 
-    def keep_end(self) -> None:
+    def keep_end(self, committed_ids: Sequence[int] | None = None) -> None:
+        """The state at the last row forwarded, as the end anchor. A generation that stopped
+        inside an accepted verify block has rows past its committed tokens: the pending commit
+        is cut back to them first, and when the state already absorbed them no end is kept
+        (a copy of it would answer for tokens the client never saw)."""
         eng = self.engine
+        if committed_ids is not None:
+            keep = common_prefix(eng.token_ids, list(committed_ids))
+            if keep < eng.length and not eng.trim_pending(keep):
+                self.end = None
+                self.stats.end_absorbed += 1
+                log.info("end_anchor_absorbed", rows=eng.length, committed=keep)
+                return
         eng.settle()
         state = eng.cache_state()
         if self.end is None:
@@ -588,6 +603,7 @@ class ResidentPrefix:
             "anchors_taken": s.anchors_taken, "evictions": s.anchor_evictions,
             "hits": s.hits, "cold": s.cold,
             "end": self.end.length if self.end else None, "ends": s.ends, "end_hits": s.end_hits,
+            "end_absorbed": s.end_absorbed,
             "taint": self.engine.taint,
             "guests": s.guests, "guest_refused": s.guest_refused, "stash_bytes": held["stash"],
             "pinned": len(self.pinned.token_ids) if self.pinned else None,

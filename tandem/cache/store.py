@@ -28,6 +28,7 @@ import structlog
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.resident import SequenceEngine
+from tandem.tokens import common_prefix
 
 log = structlog.get_logger()
 
@@ -84,8 +85,8 @@ class StateStore:
         self.chunk = engine.prefix_chunk
         self.entry_nbytes = entry_nbytes
         self.boundaries = boundaries
-        # Without speculation no commit is ever pending, so trimming one is a no-op: the knob
-        # is kept so that a speculative engine's settle() path has its switch (spec).
+        # Cut a pending verify commit back to the committed tokens before a session put (off:
+        # such a put is declined, and the end anchor trims instead).
         self.session_trim = session_trim
         self.hash_fn = hash_fn
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, LRU first
@@ -189,12 +190,17 @@ class StateStore:
             return False
         committed = list(committed_ids)
         if n > len(committed) or eng.token_ids != committed[:n]:
-            # The state absorbed tokens the turn did not commit. session_trim would cut a
-            # pending commit back first; without speculation there is none to cut.
-            self._decline("short", conversation, committed,
-                          f"the engine is {n} rows in, past the {len(committed)} committed "
-                          "tokens it is keyed by")
-            return False
+            # The rows run past the committed tokens (a generation that stopped inside an
+            # accepted verify block). session_trim cuts the pending commit back to them;
+            # otherwise, or when the state already absorbed them, the put is declined here,
+            # before anything is cloned or settled (spec: SRV-253).
+            keep = common_prefix(eng.token_ids, committed)
+            if not (self.session_trim and keep > 0 and eng.trim_pending(keep)):
+                self._decline("short", conversation, committed,
+                              f"the engine is {n} rows in, past the {keep} of the "
+                              f"{len(committed)} committed tokens it shares")
+                return False
+            n = eng.length
         nbytes = self.snapshot_nbytes(n)
         if nbytes > self.entry_nbytes:
             self._decline("big", conversation, committed,
