@@ -129,27 +129,6 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         return probs
 
-    def judge(self, logits: torch.Tensor, draft: int) -> int:
-        """The target's token at a drafted position: ``draft`` when accepted, else another.
-
-        Greedy accepts the draft when it is the argmax. Sampled follows the speculative
-        sampling rule for a drafter that proposes one token with certainty: accept with
-        probability p(draft), otherwise draw from p with the draft taken out, renormalised;
-        the token then has exactly the distribution p (Leviathan et al., 2023)."""
-        if self.params.greedy:
-            return int(torch.argmax(logits))
-        probs = self.probs(logits)
-        probs = probs / probs.sum()  # top-p leaves the kept head unnormalised
-        accept = probs[draft].item()
-        if torch.rand((), generator=self.generator).item() < accept:
-            return draft
-        residual = probs.clone()
-        residual[draft] = 0.0
-        total = residual.sum()
-        if total <= 0:  # p is all on the draft, so the draw above accepted it
-            return draft
-        return int(torch.multinomial(residual / total, 1, generator=self.generator))
-
 
 class Engine:
     def __init__(self, model: Model, *, window: int, prefix_chunk: int = 1024,
@@ -332,8 +311,8 @@ class Engine:
 
         ``draft(context, k)`` (speculation) proposes up to ``draft_max`` tokens to follow the
         context; they are checked in one verify block and the longest prefix the target agrees
-        with is kept (greedy: the argmax; sampled: the speculative sampling rule), so the output
-        is the target's. A generation that stops inside an accepted block leaves the rows ahead
+        with is kept (greedy: the argmax; sampled: the speculative sampling rule, drawn so that a
+        seed gives the tokens it gives without speculation), so the output is the target's. A generation that stops inside an accepted block leaves the rows ahead
         of its output in a pending commit (``trim_pending`` cuts them back).
         """
         if len(prompt_ids) == 0:
@@ -369,13 +348,18 @@ class Engine:
                 return True
             return len(out) >= params.max_tokens
 
-        def target(logits: torch.Tensor, so_far: list[int], proposal: int | None) -> int:
-            forced = force(so_far) if force is not None else None
-            if forced is not None:
-                return forced
-            return sampler(logits) if proposal is None else sampler.judge(logits, proposal)
+        def target(logits: torch.Tensor, so_far: list[int]) -> int:
+            """The model's token at a position: forced, or drawn as without speculation.
 
-        token = target(logits, out, None) if params.max_tokens > 0 else None
+            A draft is accepted when it is the token drawn here. For a drafter that proposes
+            one token with certainty this is the speculative sampling rule (accepted with
+            probability p(draft), otherwise a token from p without the draft, renormalised),
+            drawn with one sample a position from the request's generator, in order: a seeded
+            request writes the same tokens with speculation on as off."""
+            forced = force(so_far) if force is not None else None
+            return sampler(logits) if forced is None else forced
+
+        token = target(logits, out) if params.max_tokens > 0 else None
         while token is not None:
             if take(token):
                 break
@@ -389,19 +373,19 @@ class Engine:
             room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, draft_max)
             drafts = list(draft(context, room))[:room] if draft is not None and room > 0 else []
             if not drafts:
-                token = target(self.decode(token), out, None)
+                token = target(self.decode(token), out)
                 continue
             block = self.verify([token] + drafts)
             drafted += len(drafts)
             count, token = 0, None
             for i, proposal in enumerate(drafts):
-                chosen = target(block[i], out + drafts[:i], proposal)
+                chosen = target(block[i], out + drafts[:i])
                 if chosen != proposal:
                     token = chosen
                     break
                 count += 1
             if token is None:  # every draft accepted: the block's last logits give one more
-                token = target(block[len(drafts)], out + drafts, None)
+                token = target(block[len(drafts)], out + drafts)
             self.accept(count)
             accepted += count
             if any(take(d) for d in drafts[:count]):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.engine import Engine, SamplingParams, Sampler
+from tandem.engine import Engine, SamplingParams
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
 from small_hybrid import make_small_hybrid
@@ -182,16 +182,18 @@ def test_trim_to_the_blocks_start_restores_the_state_before_it(model):
 
 # -- sampled: the target's distribution -----------------------------------------------------
 
-def test_judge_keeps_the_targets_distribution():
-    """The acceptance rule alone, many draws: accepted or replaced, the token is drawn from p."""
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0])
-    p = torch.softmax(logits, -1)
-    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
-    n = 20000
-    for draft in (0, 3):
-        counts = Counter(sampler.judge(logits, draft) for _ in range(n))
-        chi2 = sum((counts[t] - n * p[t].item()) ** 2 / (n * p[t].item()) for t in range(5))
-        assert chi2 < 18.5, (draft, counts)  # df 4, p = 0.001
+@pytest.mark.parametrize("prompt", [repetitive(60), fresh(50, 5)])
+def test_a_seeded_sampled_run_writes_the_same_tokens_with_speculation_as_without(model, prompt):
+    """One draw a position from the request's generator, in order: the drafts never change what
+    a seed writes (the accepted ones are exactly the tokens drawn)."""
+    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=11)
+    want = Engine(model, window=WINDOW, prefix_chunk=CHUNK).generate(prompt, params)
+    engine = Engine(model, window=WINDOW, prefix_chunk=CHUNK)
+    got = engine.generate(prompt, params, draft=lookup_drafter, draft_max=4)
+    assert got.token_ids == want.token_ids
+    echo = Engine(model, window=WINDOW, prefix_chunk=CHUNK).generate(
+        prompt, params, draft=echo_drafter(prompt, want.token_ids), draft_max=4)
+    assert echo.token_ids == want.token_ids and echo.accepted == echo.drafted > 0
 
 
 def _exact_joint(model, prompt, vocab):
