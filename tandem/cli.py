@@ -56,6 +56,29 @@ def _prompt_ids(args, loaded) -> list[int]:
     return loaded.tokenizer.encode(text)
 
 
+def _open_suffix_store(config, loaded):
+    """The suffix store for a one-shot generation, indexed before it starts; None when it is
+    off, the checkpoint has no tokenizer, or the store is refused (said on stderr)."""
+    from tandem.cache.suffix import PersistentSuffixStore, SuffixStoreError
+
+    spec = config.speculation
+    if spec.speculation == "off" or not spec.suffix_store or loaded.tokenizer is None:
+        return None
+    try:
+        store = PersistentSuffixStore(config.suffix_store_path(),
+                                      tokenizer_sha256=loaded.tokenizer.sha256,
+                                      cap_mb=spec.suffix_store_mb, scope=spec.suffix_store_scope,
+                                      readonly=spec.suffix_store_readonly)
+    except (SuffixStoreError, OSError) as exc:
+        print(f"tandem generate: suffix store refused: {exc}", file=sys.stderr)
+        return None
+    if store.needs_rebuild:
+        t0 = time.perf_counter()
+        index = store.build_index()
+        store.swap(index, (time.perf_counter() - t0) * 1000)
+    return store
+
+
 def generate_main(args) -> int:
     from tandem.engine import Engine, SamplingParams
     from tandem.logs import configure_logging
@@ -82,9 +105,18 @@ def generate_main(args) -> int:
                 sys.stdout.flush()
             return False
 
+        store = _open_suffix_store(config, loaded)
+        draft = None
+        if config.speculation.speculation == "lookup":
+            from tandem.cache.drafter import LookupDrafter
+
+            draft = LookupDrafter(store).propose
         t0 = time.perf_counter()
-        result = engine.generate(prompt, params, on_token=on_token)
+        result = engine.generate(prompt, params, on_token=on_token, draft=draft,
+                                 draft_max=config.speculation.draft_max)
         wall_ms = (time.perf_counter() - t0) * 1000
+        if store is not None:
+            store.add_request(prompt, result.token_ids)
     except (ModelError, ValueError) as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2
@@ -95,7 +127,9 @@ def generate_main(args) -> int:
             "completion_tokens": len(result.token_ids), "finish_reason": result.finish_reason,
             "prefill_ms": round(result.prefill_ms, 2),
             "decode_tok_s": round(result.decode_tok_s, 2), "wall_ms": round(wall_ms, 2),
-            "num_threads": engine.num_threads, "model": loaded.name}))
+            "num_threads": engine.num_threads, "model": loaded.name,
+            "speculation": {"mode": config.speculation.speculation, "drafted": result.drafted,
+                            "accepted": result.accepted}}))
     else:
         if stream is not None:
             sys.stdout.write(stream.finish())
@@ -104,6 +138,7 @@ def generate_main(args) -> int:
             print(" ".join(map(str, result.token_ids)))
         print(f"[{result.prompt_tokens} prompt tokens, prefill {result.prefill_ms:.0f} ms, "
               f"{len(result.token_ids)} tokens at {result.decode_tok_s:.1f} tok/s, "
+              f"{result.accepted}/{result.drafted} drafts accepted, "
               f"{result.finish_reason}]", file=sys.stderr)
     return 0
 

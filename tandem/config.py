@@ -138,14 +138,41 @@ class CacheConfig(_Section):
         "store_entry_gb; 0 takes one at every line (they fill the budget fast)."))] = 1
     session_trim: Annotated[bool, Meta(description=(
         "Cut a pending speculative commit back to the committed tokens before a session "
-        "snapshot. tandem's engine does not speculate, so nothing is ever pending: no effect "
-        "today."))] = False
+        "snapshot; off, a turn that stopped inside an accepted verify block keeps no session "
+        "snapshot (its end anchor still trims). Off by default: a session resume is held to "
+        "the greedy gate, not to bit equality."))] = False
     response_cache: Annotated[bool, Meta(description=(
         "Answer an identical greedy request (same prompt ids, same parameters) from memory, "
         "without the engine. Off by default, so that a benchmark never measures a dictionary."
         ))] = False
     response_cache_mb: Annotated[float, Meta(ge=0, description=(
         "Budget of the response cache, MiB."))] = 64.0
+
+
+class SpeculationConfig(_Section):
+    """Speculative decoding and the suffix store it drafts from."""
+
+    speculation: Annotated[Literal["off", "lookup"], Meta(description=(
+        "Speculative decoding: lookup drafts the tokens that followed the longest match of the "
+        "context's end, in the request's own tokens and then in the suffix store, and checks "
+        "them in one verify block; the output is the target's either way."))] = "lookup"
+    draft_max: Annotated[int, Meta(ge=1, le=64, description=(
+        "Most tokens drafted for one verify block (k)."))] = 8
+    suffix_store: Annotated[bool, Meta(description=(
+        "Keep the persistent suffix store: the token ids this engine read and wrote, across "
+        "sessions and restarts, for the lookup drafter."))] = True
+    suffix_store_dir: Annotated[str, Meta(description=(
+        "Folder of the suffix store (mode 0700, never inside the repository), relative to home "
+        "unless absolute."))] = "suffix"
+    suffix_store_mb: Annotated[float, Meta(gt=0, description=(
+        "Cap of the suffix store, MiB (4 bytes a token); over it the oldest half is forgotten "
+        "at the next document boundary."))] = 192.0
+    suffix_store_scope: Annotated[Literal["all", "outputs"], Meta(description=(
+        "What the suffix store keeps: all (prompts and outputs) or outputs (only what the "
+        "engine wrote)."))] = "all"
+    suffix_store_readonly: Annotated[bool, Meta(description=(
+        "Draft from the suffix store but never write to it (a benchmark must not write itself "
+        "into a store of real traffic)."))] = False
 
 
 class MemoryConfig(_Section):
@@ -176,6 +203,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
+    speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a
@@ -189,6 +217,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def journal_path(self) -> Path:
         """The JSONL journal: one row per request and per cache event."""
         return self.home_path() / "journal.jsonl"
+
+    def suffix_store_path(self) -> Path:
+        path = Path(self.speculation.suffix_store_dir).expanduser()
+        return path if path.is_absolute() else self.home_path() / path
 
     def record_path(self) -> Path | None:
         """The recording folder, or None when recording is off."""

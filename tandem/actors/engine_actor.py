@@ -49,6 +49,8 @@ from tandem.actors.engine_messages import (
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
+from tandem.actors.suffix import SuffixActor, SuffixAppend
+from tandem.cache.drafter import LookupDrafter
 from tandem.cache.governor import MemoryGovernor, MemoryRefused
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.planner import Planner
@@ -115,6 +117,7 @@ class EngineActor(Actor):
                  governor: MemoryGovernor | None = None,
                  tokenizer: Any = None, end_align: bool = True,
                  end_align_reasoning: bool = True, queue_limit: int = 16, retry_after_s: float = 1.0,
+                 speculation: str = "off", draft_max: int = 8, suffix: SuffixActor | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -124,7 +127,10 @@ class EngineActor(Actor):
         is shed on the engine thread, where the tiers live);
         ``tokenizer`` gives the token bytes the end alignment compares and the reasoning
         budget's phrase (None: neither);
-        ``queue_limit``: generations that may wait beyond the running one."""
+        ``queue_limit``: generations that may wait beyond the running one;
+        ``speculation`` ("off" or "lookup") and ``draft_max``: the lookup drafter's verify
+        blocks; ``suffix``: the suffix store actor the drafter reads and every finished
+        generation is reported to (None: drafts come from the request's own tokens)."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._make_engine = make_engine
         self._make_resident = make_resident
@@ -150,6 +156,13 @@ class EngineActor(Actor):
         self.cache_stats: dict = {"tiers": {}}
         self.queue_limit = queue_limit
         self.retry_after_s = retry_after_s
+        if speculation not in ("off", "lookup"):
+            raise ValueError(f"speculation must be off or lookup, not {speculation!r}")
+        self.speculation = speculation
+        self.draft_max = draft_max
+        self.suffix = suffix
+        self.drafted_total = 0
+        self.accepted_total = 0
         self.engine: Engine | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -247,6 +260,9 @@ class EngineActor(Actor):
                              self.name if isinstance(self._holder, _Job) else self._holder.holder),
             "finished_total": self.finished_total,
             "failed_total": self.failed_total,
+            "speculation": {"mode": self.speculation, "draft_max": self.draft_max,
+                            "drafted_total": self.drafted_total,
+                            "accepted_total": self.accepted_total},
         }
 
     def check_invariants(self) -> None:
@@ -366,6 +382,13 @@ class EngineActor(Actor):
             def force(out: list[int]) -> int | None:
                 return forced[len(out)] if len(out) < len(forced) else None
 
+        speculate = {}
+        if self.speculation == "lookup":
+            # The drafter indexes the prompt at its first proposal, after the first token: a
+            # 32k prompt's index (tens of ms) never delays the time to first token.
+            store = self.suffix.store if self.suffix is not None else None
+            speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
+
         def on_token(token_id: int) -> bool:
             index = job.generated
             job.generated = index + 1
@@ -380,7 +403,8 @@ class EngineActor(Actor):
             self._post(job, PrefillAdmitted(job.request_id))
             try:
                 result = engine.generate(job.prompt_ids, job.params, on_token=on_token,
-                                         should_cancel=job.cancel.is_set, force=force)
+                                         should_cancel=job.cancel.is_set, force=force,
+                                         **speculate)
             finally:
                 if self.governor is not None:
                     self.governor.after_request()
@@ -401,7 +425,7 @@ class EngineActor(Actor):
         try:
             result = engine.generate(served, job.params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,
-                                     on_chunk=planner.on_chunk, force=force)
+                                     on_chunk=planner.on_chunk, force=force, **speculate)
         except BaseException:
             # The rows in place are not trusted after a failed forward; a guest's stash goes
             # back, anything else starts again from token 0.
@@ -526,14 +550,32 @@ class EngineActor(Actor):
                 end_replayed=(outcome.alignment.replayed_hidden
                               + outcome.alignment.replayed_reasoning
                               if outcome.alignment else 0),
-                hidden_tokens=len(outcome.budget.hidden_positions) if outcome.budget else 0),
+                hidden_tokens=len(outcome.budget.hidden_positions) if outcome.budget else 0,
+                drafted=result.drafted, accepted=result.accepted),
                 job)
+            self.drafted_total += result.drafted
+            self.accepted_total += result.accepted
+            self._report_to_suffix(job, outcome)
         if self._fault is None and self.state != "stopped":
             self._pump()
         if self._draining and not self.busy:
             sinks, self._drain_sinks = self._drain_sinks, []
             for sink in sinks:
                 self._emit(sink, EngineDrained())
+
+    def _report_to_suffix(self, job: _Job, outcome: "_Outcome") -> None:
+        """The client's prompt and the visible output go to the suffix store; hidden tokens
+        (the budget's phrase) and rows the alignment put back never do (spec)."""
+        suffix = self.suffix
+        if suffix is None or suffix.store is None:
+            return
+        out = outcome.result.token_ids
+        if outcome.budget is not None:
+            out = outcome.budget.visible(out)
+        try:
+            suffix.try_tell(SuffixAppend(list(job.prompt_ids), list(out)), sender=self)
+        except (MailboxFull, ActorStopped):
+            log.warning("suffix_append_dropped", request_id=job.request_id)
 
     def _fail(self, job: _Job, reason: str, detail: str, *, forget: bool = True,
               **counts: int | float) -> None:

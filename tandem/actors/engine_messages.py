@@ -122,6 +122,8 @@ class GenerationFinished(Message):
     aligned: str | None = None  # how the client's copy met the end anchor (exact, glue, reasoning)
     end_replayed: int = 0  # hidden and reasoning rows served that the client's copy lacks
     hidden_tokens: int = 0  # generated tokens the client never sees
+    drafted: int = 0  # tokens the lookup drafter proposed
+    accepted: int = 0  # of them, those the verify blocks accepted
 
 
 class GenerationFailed(Message):

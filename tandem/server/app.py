@@ -19,11 +19,13 @@ from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
 from tandem.actors.governor import GovernorActor
+from tandem.actors.suffix import SuffixActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.resident import ResidentPrefix
 from tandem.cache.response import ResponseCache
 from tandem.cache.store import StateStore
+from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
 from tandem.server.errors import error_middleware
@@ -35,6 +37,7 @@ from tandem.server.keys import (
     JOURNAL,
     MEMORY,
     MODEL_NAME,
+    SUFFIX,
     SUPERVISOR,
 )
 from tandem.server.memory_routes import add_memory, add_memory_routes
@@ -58,8 +61,15 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
     governor = None
+    suffix = None
+    spec = config.speculation
     if engine is None:
         e = config.engine
+        if spec.speculation != "off" and spec.suffix_store:
+            suffix = SuffixActor("suffix", open_store=partial(
+                PersistentSuffixStore, config.suffix_store_path(),
+                tokenizer_sha256=loaded.tokenizer.sha256, cap_mb=spec.suffix_store_mb,
+                scope=spec.suffix_store_scope, readonly=spec.suffix_store_readonly))
         governor = make_governor(config, loaded.model)
         caches = config.cache.caches
         engine = EngineActor("engine", make_engine=partial(
@@ -70,8 +80,11 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
             governor=governor,
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
             end_align_reasoning=config.cache.end_align_reasoning,
-            queue_limit=config.server.queue_limit)
+            queue_limit=config.server.queue_limit, speculation=spec.speculation,
+            draft_max=spec.draft_max, suffix=suffix)
     supervisor = Supervisor()
+    if suffix is not None:
+        supervisor.add(suffix)  # first: the engine's drafter reads its store
     supervisor.add(engine)
     if governor is not None:
         supervisor.add(GovernorActor("governor", core=governor))
@@ -102,6 +115,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     app[JOURNAL] = journal
     app[CONFIG] = config
     app[MODEL_NAME] = loaded.name
+    app[SUFFIX] = suffix
     app[CACHE_STATS] = partial(_cache_stats, engine, state)
     if governor is not None:
         app[MEMORY] = governor.statistics
@@ -193,7 +207,11 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "stopped"}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    return web.json_response({"status": "ok", "model": state.model_name})
+    body = {"status": "ok", "model": state.model_name}
+    suffix = request.app[SUFFIX]
+    if suffix is not None:
+        body["suffix_store"] = suffix.report()  # rebuild_ms_total and rebuild_ms_last with it
+    return web.json_response(body)
 
 
 async def metrics_route(request: web.Request) -> web.Response:

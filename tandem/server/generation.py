@@ -146,7 +146,8 @@ class Run:
         cache.put(self.prompt_ids, self.params, self._stops.stops, CachedResponse(
             tuple(self._generated), msgspec.structs.replace(
                 msg, cache_source="response", reused_tokens=len(self.prompt_ids),
-                reread_tokens=0, prefill_ms=0.0, guest=False, aligned=None, end_replayed=0)))
+                reread_tokens=0, prefill_ms=0.0, guest=False, aligned=None, end_replayed=0,
+                drafted=0, accepted=0)))
 
     async def start(self) -> None:
         if self._answer_from_memory():
@@ -298,6 +299,8 @@ class Run:
             cache["aligned"] = r.aligned
             cache["end_replayed"] = r.end_replayed
         tandem: dict = {"cache": cache}
+        if r is not None:
+            tandem["speculation"] = {"drafted": r.drafted, "accepted": r.accepted}
         if self.ttft_ms is not None:
             tandem["ttft_ms"] = round(self.ttft_ms, 3)  # as the journal row has it
         return {
@@ -340,7 +343,8 @@ class Run:
             ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
             decode_tok_s=round(self.result.decode_tok_s, 3) if ran else None,
             finish_reason=self.finish_reason, status=status, error=error_code,
-            extra=self._extra()))
+            drafted=self.result.drafted if ran else 0,
+            accepted=self.result.accepted if ran else 0, extra=self._extra()))
 
     def _extra(self) -> dict | None:
         r = self.result

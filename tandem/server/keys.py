@@ -10,6 +10,7 @@
 - CACHE_STATS: a callable returning the /v1/cache/stats document (tiers, each with counters).
 - MEMORY: a callable returning the memory governor's report (limits, held, levels, sheds);
   absent when no governor runs.
+- SUFFIX: the suffix store actor (``report() -> dict`` for /health), or None when there is none.
 """
 
 from __future__ import annotations
@@ -25,3 +26,4 @@ CONFIG: web.AppKey[Any] = web.AppKey("config", object)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
 CACHE_STATS: web.AppKey[Callable[[], dict]] = web.AppKey("cache_stats", object)
 MEMORY: web.AppKey[Callable[[], dict]] = web.AppKey("memory", object)
+SUFFIX: web.AppKey[Any] = web.AppKey("suffix", object)
