@@ -23,7 +23,7 @@ import torch
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix
-from tandem.cache.store import StateStore
+from tandem.cache.store import StateStore, StoreCore
 from tandem.engine import Engine, SamplingParams
 from tandem.models import load_model
 
@@ -44,7 +44,10 @@ class Server:
                    "stash": 0, "park": 0, "pin": 0, "store": 2 * GiB}
         memory = MemoryAccountant(budgets)
         resident = ResidentPrefix(self.engine, memory)
-        store = StateStore(self.engine, memory, entry_nbytes=GiB) if mode == "store" else None
+        store = None
+        if mode == "store":
+            core = StoreCore(memory, entry_nbytes=GiB)
+            store = StateStore(self.engine, core, entry_nbytes=GiB)
         self.planner = Planner(resident, store)
 
     def request(self, prompt: list[int], max_tokens: int) -> tuple[float, str, list[int]]:

@@ -9,7 +9,7 @@ from resident_rig import CHUNK, budgets
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix, Resume
-from tandem.cache.store import StateStore, token_hash
+from tandem.cache.store import StateStore, StoreCore, token_hash
 from tandem.engine import Engine, SamplingParams
 
 MiB = 1 << 20
@@ -25,7 +25,9 @@ class StoreRig:
         over = {"park": 0, "pin": 0, **budget_over}
         self.memory = MemoryAccountant({**budgets(**over), "store": store_nbytes})
         self.resident = ResidentPrefix(self.engine, self.memory)
-        self.store = StateStore(self.engine, self.memory, entry_nbytes=entry_nbytes,
+        # The core answers directly here; in the server the store actor does (tandem/actors/store.py).
+        self.core = StoreCore(self.memory, entry_nbytes=entry_nbytes, hash_fn=hash_fn)
+        self.store = StateStore(self.engine, self.core, entry_nbytes=entry_nbytes,
                                 boundaries=boundaries, hash_fn=hash_fn,
                                 session_trim=session_trim)
         self.planner = Planner(self.resident, self.store, governor)

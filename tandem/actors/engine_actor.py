@@ -113,7 +113,7 @@ class _Outside:
 class EngineActor(Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
-                 make_store: Callable[[Engine, MemoryAccountant], StateStore] | None = None,
+                 make_store: Callable[[Engine], StateStore] | None = None,
                  governor: MemoryGovernor | None = None,
                  tokenizer: Any = None, end_align: bool = True,
                  end_align_reasoning: bool = True, queue_limit: int = 16, retry_after_s: float = 1.0,
@@ -121,10 +121,10 @@ class EngineActor(Actor):
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
-        ``make_store`` the state store beside it, on the resident prefix's accountant (None:
-        no store); ``governor`` holds those caches to the machine's memory limits (its core:
-        the engine thread calls it before each prefill and at every reserve, so what it sheds
-        is shed on the engine thread, where the tiers live);
+        ``make_store`` the engine's side of the state store beside it (its core lives in the
+        store actor; None: no store); ``governor`` holds those caches to the machine's memory
+        limits (its core: the engine thread calls it before each prefill and at every reserve,
+        so what it sheds is shed on the engine thread, where the tiers live);
         ``tokenizer`` gives the token bytes the end alignment compares and the reasoning
         budget's phrase (None: neither);
         ``queue_limit``: generations that may wait beyond the running one;
@@ -194,7 +194,7 @@ class EngineActor(Actor):
         if self._make_resident is not None:
             self.resident = self._make_resident(engine)
             if self._make_store is not None:
-                self.store = self._make_store(engine, self.resident.memory)
+                self.store = self._make_store(engine)
             self.planner = Planner(self.resident, self.store, self.governor)
             self._publish_cache_stats()
         elif self.governor is not None:
@@ -260,9 +260,8 @@ class EngineActor(Actor):
                              self.name if isinstance(self._holder, _Job) else self._holder.holder),
             "finished_total": self.finished_total,
             "failed_total": self.failed_total,
-            "speculation": {"mode": self.speculation, "draft_max": self.draft_max,
-                            "drafted_total": self.drafted_total,
-                            "accepted_total": self.accepted_total},
+            "speculation": self.speculation, "draft_max": self.draft_max,
+            "drafted_total": self.drafted_total, "accepted_total": self.accepted_total,
         }
 
     def check_invariants(self) -> None:

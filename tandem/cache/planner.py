@@ -64,6 +64,8 @@ class Planner:
                     return Resume(start, "store")
                 if entry is None:
                     store.count_miss()
+                else:
+                    store.release(entry)  # the resident prefix serves it as well or better
         return resident.begin(served, max_tokens, session)
 
     def on_chunk(self, end: int) -> None:

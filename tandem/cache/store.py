@@ -1,6 +1,6 @@
 """The state store: whole snapshots keyed by the tokens that produced them (spec: "State store").
 
-One object serves two uses:
+One store serves two uses:
 
 - the prefix cache: a snapshot at the longest ``prefix_chunk`` line of a prefill that fits the
   entry cap (``boundaries`` of them, 0: every line), taken between chunks (``on_chunk``). A request
@@ -8,11 +8,18 @@ One object serves two uses:
 - the session cache: the conversation's state after its turn (``put_session``). The next turn
   forwards only its new message; decoding wrote those rows, so the resume holds the greedy gate.
 
-Pure logic, no asyncio and no clock. Every copy goes through the adapter (``cache_state()``,
-copies.py) and is reserved at the memory level ``store`` *before* it is cloned, evicting the
-least recently used entries to make room; a put that cannot be made is declined before anything
-is cloned. Every hit compares the stored tokens with the prompt element by element: the hash
-only picks the bucket, since a collision would answer one request with another's state.
+Two halves, split where the threads are. ``StoreCore`` is the store itself: the entries, their
+index by token hash, the LRU order, the budget at the memory level ``store``, the counters. It is
+pure (no engine, no asyncio, no clock) and is owned by the ``store`` actor
+(tandem/actors/store.py), which maps messages onto it. ``StateStore`` is the engine thread's
+side: it decides what to snapshot, clones and restores the engine's buffers through the adapter
+(``cache_state()``, copies.py), and asks the core through a port (the core itself in a test, the
+actor's port in the server). A snapshot's room is reserved in the core *before* it is cloned,
+evicting the least recently used entries; a put that cannot be made is declined before anything
+is cloned. An entry offered to the engine is leased until the engine is done reading it, so no
+eviction frees it under a restore. Every hit compares the stored tokens with the prompt element
+by element: the hash only picks the bucket, since a collision would answer one request with
+another's state.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import structlog
 
@@ -44,7 +51,7 @@ def token_hash(token_ids: Sequence[int]) -> int:
 
 
 @dataclass
-class _Entry:
+class StoreEntry:
     key_ids: list[int]  # the tokens of rows [0, n)
     kind: str  # "prefix" or "session"
     sections: SectionsCopy
@@ -74,45 +81,44 @@ class StoreStats:
     counters: dict = field(default_factory=dict)
 
 
-class StateStore:
-    def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, *,
-                 entry_nbytes: int, boundaries: int = 1, session_trim: bool = False,
+class StorePort(Protocol):
+    """What the engine thread asks of the store's core: ``StoreCore`` itself, or the store
+    actor's port, whose every call is a message to the actor."""
+
+    def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]: ...
+    def release(self, entry: StoreEntry, hit: bool) -> None: ...
+    def count_miss(self) -> None: ...
+    def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str: ...
+    def insert(self, entry: StoreEntry) -> None: ...
+    def cancel(self, nbytes: int) -> None: ...
+    def decline(self, reason: str, who: str, conversation: str | None, detail: str) -> None: ...
+    def shed(self, need_nbytes: int) -> int: ...
+    def statistics(self) -> dict: ...
+    def check_invariants(self) -> None: ...
+
+
+class StoreCore:
+    """The entries and their bookkeeping; every method is one step the actor runs whole."""
+
+    def __init__(self, memory: MemoryAccountant, *, entry_nbytes: int,
                  hash_fn: Callable[[Sequence[int]], int] = token_hash):
-        if boundaries < 0:
-            raise ValueError("boundaries must be >= 0")
-        self.engine = engine
         self.memory = memory
-        self.chunk = engine.prefix_chunk
         self.entry_nbytes = entry_nbytes
-        self.boundaries = boundaries
-        # Cut a pending verify commit back to the committed tokens before a session put (off:
-        # such a put is declined, and the end anchor trims instead).
-        self.session_trim = session_trim
         self.hash_fn = hash_fn
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # id -> entry, LRU first
-        self._buckets: dict[int, list[_Entry]] = {}  # hash -> entries
-        self._planned: set[int] = set()  # grid lines of the running prefill to snapshot
+        self._entries: OrderedDict[int, StoreEntry] = OrderedDict()  # id -> entry, LRU first
+        self._buckets: dict[int, list[StoreEntry]] = {}  # hash -> entries
+        self._leased: dict[int, int] = {}  # id -> offers the engine has not released
         self._said: OrderedDict[str, None] = OrderedDict()
         self.stats = StoreStats()
-
-    # -- sizes -----------------------------------------------------------------------------
-
-    def snapshot_nbytes(self, num_tokens: int) -> int:
-        state = self.engine.cache_state()
-        return SectionsCopy.nbytes_of(state) + RowsCopy.nbytes_of(state, num_tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return self.memory.held[LEVEL]
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    # -- lookup and restore ----------------------------------------------------------------
+    # -- lookup ----------------------------------------------------------------------------
 
-    def offer(self, prompt_ids: Sequence[int]) -> tuple[int, _Entry | None]:
+    def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]:
         """The longest entry whose tokens start the prompt with at least one token left to
-        forward: (its length, the entry), or (0, None). Side-effect free but for counters."""
+        forward: (its length, the entry, leased until ``release``), or (0, None)."""
         prompt = list(prompt_ids)
         limit = len(prompt) - 1
         for n in sorted({e.n for e in self._entries.values()}, reverse=True):
@@ -123,32 +129,218 @@ class StateStore:
                 if entry.n != n:
                     continue
                 if entry.key_ids == head:  # element by element: the hash is only a hint
+                    self._leased[id(entry)] = self._leased.get(id(entry), 0) + 1
                     return n, entry
                 self.stats.collisions += 1
         return 0, None
 
-    def restore(self, entry: _Entry, prompt_ids: Sequence[int]) -> int:
-        """Write ``entry`` back into the engine's buffers and put the engine at its length.
-        The tokens are compared again here: nothing is restored for a prompt they do not
-        start."""
-        n = entry.n
-        if list(prompt_ids[:n]) != entry.key_ids:
-            raise ValueError("a state store entry restored for a prompt it does not start")
-        eng = self.engine
-        state = eng.cache_state()
-        entry.sections.restore(state)
-        entry.rows.restore(state, 0, n)
-        eng.resume_at(n, entry.key_ids)
-        eng.taint = entry.taint
-        self._entries.move_to_end(id(entry))
+    def release(self, entry: StoreEntry, hit: bool) -> None:
+        """The engine is done with an offered entry; ``hit``: it restored it."""
+        key = id(entry)
+        left = self._leased.get(key, 0) - 1
+        if left > 0:
+            self._leased[key] = left
+        else:
+            self._leased.pop(key, None)
+        if not hit:
+            return
+        if key in self._entries:
+            self._entries.move_to_end(key)
         if entry.kind == "prefix":
             self.stats.prefix_hits += 1
         else:
             self.stats.session_hits += 1
-        return n
 
     def count_miss(self) -> None:
         self.stats.misses += 1
+
+    # -- puts ------------------------------------------------------------------------------
+
+    def _find(self, key_ids: list[int]) -> StoreEntry | None:
+        for entry in self._buckets.get(self.hash_fn(key_ids), ()):
+            if entry.key_ids == key_ids:
+                return entry
+        return None
+
+    def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str:
+        """Before a snapshot is cloned: "held" when the same tokens are held already (touched),
+        "reserved" when room for ``nbytes`` was made (evicting least recently used entries)
+        and the caller must now ``insert`` or ``cancel``, "refused" when none can be."""
+        same = self._find(key_ids)
+        if same is not None:
+            if not (kind == "prefix" and same.kind == "session"):
+                self._entries.move_to_end(id(same))
+                return "held"
+            # The same tokens held as a session's state (decoding wrote it): the prefill's
+            # state replaces it, since a resume there is then a cold prefill's bit for bit.
+            if id(same) not in self._leased:
+                self._drop(same)
+        if not self._reserve(nbytes):
+            self.stats.refused += 1
+            return "refused"
+        return "reserved"
+
+    def _reserve(self, nbytes: int) -> bool:
+        if nbytes > self.entry_nbytes or nbytes > self.memory.budgets.get(LEVEL, 0):
+            return False
+        while not self.memory.reserve(LEVEL, nbytes):
+            if not self._evict_lru():
+                return False
+        return True
+
+    def insert(self, entry: StoreEntry) -> None:
+        """A snapshot cloned into the room ``admit`` reserved; the store owns it from here."""
+        same = self._find(entry.key_ids)
+        if same is not None and id(same) not in self._leased:
+            self._drop(same)
+        self._entries[id(entry)] = entry
+        self._buckets.setdefault(entry.key_hash, []).append(entry)
+        if entry.kind == "prefix":
+            self.stats.prefix_puts += 1
+        else:
+            self.stats.session_puts += 1
+
+    def cancel(self, nbytes: int) -> None:
+        """A reservation whose snapshot was not cloned after all."""
+        self.memory.release(LEVEL, nbytes)
+
+    def decline(self, reason: str, who: str, conversation: str | None, detail: str) -> None:
+        """A session put declined before anything was cloned: counted, and said once per
+        conversation (``who``)."""
+        if reason == "big":
+            self.stats.declined_big += 1
+        else:
+            self.stats.declined_short += 1
+        if who in self._said:
+            return
+        self._said[who] = None
+        while len(self._said) > SAID_MAX:
+            self._said.popitem(last=False)
+        log.info("store_put_declined", reason=reason, conversation=conversation, detail=detail)
+
+    # -- giving memory back ----------------------------------------------------------------
+
+    def _drop(self, entry: StoreEntry) -> None:
+        del self._entries[id(entry)]
+        bucket = self._buckets[entry.key_hash]
+        bucket.remove(entry)
+        if not bucket:
+            del self._buckets[entry.key_hash]
+        self.memory.release(LEVEL, entry.nbytes)
+
+    def _lru_free(self) -> StoreEntry | None:
+        """The least recently used entry no restore is reading."""
+        for key, entry in self._entries.items():
+            if key not in self._leased:
+                return entry
+        return None
+
+    def _evict_lru(self) -> bool:
+        entry = self._lru_free()
+        if entry is None:
+            return False
+        self._drop(entry)
+        self.stats.evictions += 1
+        return True
+
+    def shed(self, need_nbytes: int) -> int:
+        """The governor's call: drop least recently used entries until ``need_nbytes`` are
+        freed (or none is left); the bytes freed."""
+        freed = 0
+        while freed < need_nbytes and (entry := self._lru_free()) is not None:
+            freed += entry.nbytes
+            self._drop(entry)
+            self.stats.shed += 1
+        return freed
+
+    def clear(self) -> None:
+        while (entry := self._lru_free()) is not None:
+            self._drop(entry)
+
+    # -- reporting -------------------------------------------------------------------------
+
+    def statistics(self) -> dict:
+        s = self.stats
+        return {
+            "entries": len(self._entries),
+            "prefix_entries": sum(1 for e in self._entries.values() if e.kind == "prefix"),
+            "session_entries": sum(1 for e in self._entries.values() if e.kind == "session"),
+            "bytes": self.memory.held[LEVEL], "budget_bytes": self.memory.budgets.get(LEVEL, 0),
+            "entry_cap_bytes": self.entry_nbytes, "leased": sum(self._leased.values()),
+            "prefix_puts": s.prefix_puts, "session_puts": s.session_puts,
+            "prefix_hits": s.prefix_hits, "session_hits": s.session_hits, "misses": s.misses,
+            "evictions": s.evictions, "declined_big": s.declined_big,
+            "declined_short": s.declined_short, "refused": s.refused,
+            "collisions": s.collisions, "shed": s.shed,
+        }
+
+    def check_invariants(self) -> None:
+        held = self.memory.held[LEVEL]
+        assert held == sum(e.nbytes for e in self._entries.values()), "store bytes"
+        assert held <= self.memory.budgets.get(LEVEL, 0), "store over its budget"
+        indexed = [e for bucket in self._buckets.values() for e in bucket]
+        assert len(indexed) == len(self._entries), "bucket index out of step"
+        for entry in self._entries.values():
+            assert entry.nbytes <= self.entry_nbytes, "an entry over the cap"
+            assert entry.rows.stop == entry.n and entry.rows.start == 0, "rows and key differ"
+            assert entry.key_hash == self.hash_fn(entry.key_ids), "entry under a wrong hash"
+        assert set(self._leased) <= set(self._entries), "a lease on an entry no longer held"
+
+
+class StateStore:
+    """The engine thread's side of the store: what to snapshot, the clones and the restores."""
+
+    def __init__(self, engine: SequenceEngine, port: StorePort, *, entry_nbytes: int,
+                 boundaries: int = 1, session_trim: bool = False,
+                 hash_fn: Callable[[Sequence[int]], int] = token_hash):
+        if boundaries < 0:
+            raise ValueError("boundaries must be >= 0")
+        self.engine = engine
+        self.port = port
+        self.chunk = engine.prefix_chunk
+        self.entry_nbytes = entry_nbytes
+        self.boundaries = boundaries
+        # Cut a pending verify commit back to the committed tokens before a session put (off:
+        # such a put is declined, and the end anchor trims instead).
+        self.session_trim = session_trim
+        self.hash_fn = hash_fn
+        self._planned: set[int] = set()  # grid lines of the running prefill to snapshot
+
+    def snapshot_nbytes(self, num_tokens: int) -> int:
+        state = self.engine.cache_state()
+        return SectionsCopy.nbytes_of(state) + RowsCopy.nbytes_of(state, num_tokens)
+
+    # -- lookup and restore ----------------------------------------------------------------
+
+    def offer(self, prompt_ids: Sequence[int]) -> tuple[int, StoreEntry | None]:
+        """The core's longest entry for the prompt, leased: ``restore`` it or ``release`` it."""
+        return self.port.offer(list(prompt_ids))
+
+    def release(self, entry: StoreEntry) -> None:
+        self.port.release(entry, False)
+
+    def restore(self, entry: StoreEntry, prompt_ids: Sequence[int]) -> int:
+        """Write an offered entry back into the engine's buffers and put the engine at its
+        length. The tokens are compared again here: nothing is restored for a prompt they do
+        not start."""
+        n = entry.n
+        try:
+            if list(prompt_ids[:n]) != entry.key_ids:
+                raise ValueError("a state store entry restored for a prompt it does not start")
+            eng = self.engine
+            state = eng.cache_state()
+            entry.sections.restore(state)
+            entry.rows.restore(state, 0, n)
+            eng.resume_at(n, entry.key_ids)
+            eng.taint = entry.taint
+        except BaseException:
+            self.port.release(entry, False)
+            raise
+        self.port.release(entry, True)
+        return n
+
+    def count_miss(self) -> None:
+        self.port.count_miss()
 
     # -- the prefix cache ------------------------------------------------------------------
 
@@ -211,120 +403,36 @@ class StateStore:
 
     def _decline(self, reason: str, conversation: str | None, committed: list[int],
                  detail: str) -> None:
-        if reason == "big":
-            self.stats.declined_big += 1
-        else:
-            self.stats.declined_short += 1
         who = conversation or f"head:{self.hash_fn(committed[:self.chunk]):x}"
-        if who in self._said:
-            return
-        self._said[who] = None
-        while len(self._said) > SAID_MAX:
-            self._said.popitem(last=False)
-        log.info("store_put_declined", reason=reason, conversation=conversation, detail=detail)
-
-    # -- puts ------------------------------------------------------------------------------
-
-    def _find(self, key_ids: list[int]) -> _Entry | None:
-        for entry in self._buckets.get(self.hash_fn(key_ids), ()):
-            if entry.key_ids == key_ids:
-                return entry
-        return None
-
-    def reserve(self, nbytes: int) -> bool:
-        """Room for ``nbytes`` at the store's level, made by evicting the least recently used
-        entries, taken *before* the snapshot is cloned."""
-        if nbytes > self.entry_nbytes or nbytes > self.memory.budgets.get(LEVEL, 0):
-            return False
-        while not self.memory.reserve(LEVEL, nbytes):
-            if not self._evict_lru():
-                return False
-        return True
+        self.port.decline(reason, who, conversation, detail)
 
     def _put(self, key_ids: list[int], kind: str, taint: int | None) -> bool:
-        same = self._find(key_ids)
-        if same is not None:
-            if not (kind == "prefix" and same.kind == "session"):
-                self._entries.move_to_end(id(same))
-                return True
-            # The same tokens held as a session's state (decoding wrote it): the prefill's
-            # state replaces it, since a resume there is then a cold prefill's bit for bit.
-            self._drop(same)
-        eng = self.engine
         n = len(key_ids)
         nbytes = self.snapshot_nbytes(n)
-        if not self.reserve(nbytes):
-            self.stats.refused += 1
-            return False
-        eng.settle()
-        state = eng.cache_state()
-        entry = _Entry(key_ids=key_ids, kind=kind, sections=SectionsCopy.take(state),
-                       rows=RowsCopy.take(state, 0, n),
-                       taint=taint if taint is not None and taint < n else None,
-                       nbytes=nbytes, key_hash=self.hash_fn(key_ids))
-        self._entries[id(entry)] = entry
-        self._buckets.setdefault(entry.key_hash, []).append(entry)
-        if kind == "prefix":
-            self.stats.prefix_puts += 1
-        else:
-            self.stats.session_puts += 1
+        verdict = self.port.admit(key_ids, kind, nbytes)
+        if verdict != "reserved":
+            return verdict == "held"
+        try:
+            eng = self.engine
+            eng.settle()
+            state = eng.cache_state()
+            entry = StoreEntry(key_ids=key_ids, kind=kind, sections=SectionsCopy.take(state),
+                               rows=RowsCopy.take(state, 0, n),
+                               taint=taint if taint is not None and taint < n else None,
+                               nbytes=nbytes, key_hash=self.hash_fn(key_ids))
+        except BaseException:
+            self.port.cancel(nbytes)
+            raise
+        self.port.insert(entry)
         return True
 
-    def _drop(self, entry: _Entry) -> None:
-        del self._entries[id(entry)]
-        bucket = self._buckets[entry.key_hash]
-        bucket.remove(entry)
-        if not bucket:
-            del self._buckets[entry.key_hash]
-        self.memory.release(LEVEL, entry.nbytes)
-
-    def _evict_lru(self) -> bool:
-        if not self._entries:
-            return False
-        _, entry = next(iter(self._entries.items()))
-        self._drop(entry)
-        self.stats.evictions += 1
-        return True
+    # -- memory and reporting --------------------------------------------------------------
 
     def shed(self, need_nbytes: int) -> int:
-        """The governor's call: drop least recently used entries until ``need_nbytes`` are
-        freed (or none is left); the bytes freed."""
-        freed = 0
-        while freed < need_nbytes and self._entries:
-            _, entry = next(iter(self._entries.items()))
-            freed += entry.nbytes
-            self._drop(entry)
-            self.stats.shed += 1
-        return freed
-
-    def clear(self) -> None:
-        while self._entries:
-            self._drop(next(iter(self._entries.values())))
-
-    # -- reporting -------------------------------------------------------------------------
+        return self.port.shed(need_nbytes)
 
     def statistics(self) -> dict:
-        s = self.stats
-        return {
-            "entries": len(self._entries),
-            "prefix_entries": sum(1 for e in self._entries.values() if e.kind == "prefix"),
-            "session_entries": sum(1 for e in self._entries.values() if e.kind == "session"),
-            "bytes": self.memory.held[LEVEL], "budget_bytes": self.memory.budgets.get(LEVEL, 0),
-            "entry_cap_bytes": self.entry_nbytes,
-            "prefix_puts": s.prefix_puts, "session_puts": s.session_puts,
-            "prefix_hits": s.prefix_hits, "session_hits": s.session_hits, "misses": s.misses,
-            "evictions": s.evictions, "declined_big": s.declined_big,
-            "declined_short": s.declined_short, "refused": s.refused,
-            "collisions": s.collisions, "shed": s.shed,
-        }
+        return self.port.statistics()
 
     def check_invariants(self) -> None:
-        held = self.memory.held[LEVEL]
-        assert held == sum(e.nbytes for e in self._entries.values()), "store bytes"
-        assert held <= self.memory.budgets.get(LEVEL, 0), "store over its budget"
-        indexed = [e for bucket in self._buckets.values() for e in bucket]
-        assert len(indexed) == len(self._entries), "bucket index out of step"
-        for entry in self._entries.values():
-            assert entry.nbytes <= self.entry_nbytes, "an entry over the cap"
-            assert entry.rows.stop == entry.n and entry.rows.start == 0, "rows and key differ"
-            assert entry.key_hash == self.hash_fn(entry.key_ids), "entry under a wrong hash"
+        self.port.check_invariants()

@@ -19,12 +19,13 @@ from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
 from tandem.actors.governor import GovernorActor
+from tandem.actors.store import StoreActor
 from tandem.actors.suffix import SuffixActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.resident import ResidentPrefix
 from tandem.cache.response import ResponseCache
-from tandem.cache.store import StateStore
+from tandem.cache.store import StateStore, StoreCore
 from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
@@ -61,7 +62,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
     governor = None
-    suffix = None
+    suffix = store = None
     spec = config.speculation
     if engine is None:
         e = config.engine
@@ -72,11 +73,15 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
                 scope=spec.suffix_store_scope, readonly=spec.suffix_store_readonly))
         governor = make_governor(config, loaded.model)
         caches = config.cache.caches
+        memory = make_memory(config, loaded.model) if caches else None
+        if caches and config.cache.store:
+            store = StoreActor("store", core=StoreCore(
+                memory, entry_nbytes=int(config.cache.store_entry_gb * GiB)))
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
             num_threads=e.num_threads),
-            make_resident=partial(make_resident, config) if caches else None,
-            make_store=partial(make_store, config) if caches and config.cache.store else None,
+            make_resident=partial(make_resident, config, memory) if caches else None,
+            make_store=partial(make_store, config, store) if store is not None else None,
             governor=governor,
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
             end_align_reasoning=config.cache.end_align_reasoning,
@@ -84,7 +89,9 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
             draft_max=spec.draft_max, suffix=suffix)
     supervisor = Supervisor()
     if suffix is not None:
-        supervisor.add(suffix)  # first: the engine's drafter reads its store
+        supervisor.add(suffix)  # before the engine: its drafter reads the suffix store
+    if store is not None:
+        supervisor.add(store)  # before the engine, which asks it from its first request
     supervisor.add(engine)
     if governor is not None:
         supervisor.add(GovernorActor("governor", core=governor))
@@ -132,27 +139,33 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     return app
 
 
-def make_resident(config: Config, engine: Engine) -> ResidentPrefix:
-    """The resident prefix over ``engine``, its copies held to the config's budgets."""
-    c = config.cache
-    state_nbytes = engine.cost().state_nbytes
-    memory = MemoryAccountant({
+def make_memory(config: Config, model) -> MemoryAccountant:
+    """The accountant every cache reserves its copies with, one budget a level."""
+    c, e = config.cache, config.engine
+    state_nbytes = model.cost(e.window, e.prefix_chunk).state_nbytes
+    return MemoryAccountant({
         "anchors": int(c.resident_gb * GiB),
         # The end anchor's buffers, and a parked end on its way back in.
         "end": 2 * state_nbytes if c.end_anchor else 0,
         "stash": int(c.resident_stash_gb * GiB),
         "pin": int(c.resident_pin_gb * GiB),
         "park": int(c.resident_park_gb * GiB),
+        "store": int(c.cache_gb * GiB) if c.store else 0,
     })
+
+
+def make_resident(config: Config, memory: MemoryAccountant, engine: Engine) -> ResidentPrefix:
+    """The resident prefix over ``engine``, its copies held to the config's budgets."""
+    c = config.cache
     return ResidentPrefix(engine, memory, guest_max=c.resident_guest_max,
                           end_anchor=c.end_anchor)
 
 
-def make_store(config: Config, engine: Engine, memory: MemoryAccountant) -> StateStore:
-    """The state store beside the resident prefix, on its accountant (level ``store``)."""
+def make_store(config: Config, store: StoreActor, engine: Engine) -> StateStore:
+    """The engine thread's side of the state store, asking the store actor (on the engine
+    thread, once the actor has started)."""
     c = config.cache
-    memory.budgets["store"] = int(c.cache_gb * GiB)
-    return StateStore(engine, memory, entry_nbytes=int(c.store_entry_gb * GiB),
+    return StateStore(engine, store.port(), entry_nbytes=int(c.store_entry_gb * GiB),
                       boundaries=c.store_boundaries, session_trim=c.session_trim)
 
 

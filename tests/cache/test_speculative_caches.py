@@ -60,7 +60,7 @@ def test_the_end_anchor_trims_the_pending_commit_and_the_next_turn_resumes_there
     out, stop = stopped_turn(rig, model, prompt)
     committed = prompt + out
     assert rig.resident.end.length == len(committed) == rig.engine.length
-    assert rig.store.stats.declined_short == 1  # session_trim off: the put declined first
+    assert rig.core.stats.declined_short == 1  # session_trim off: the put declined first
     follow = committed + [stop, 7, 8, 9]
     resume, again = rig.turn(follow, "s", max_tokens=12)
     assert (resume.source, resume.start) == ("end", len(committed))
@@ -72,7 +72,7 @@ def test_session_trim_cuts_the_commit_before_the_session_snapshot(model):
     prompt = repetitive(150)
     out, stop = stopped_turn(rig, model, prompt)
     committed = prompt + out
-    assert rig.store.stats.declined_short == 0
+    assert rig.core.stats.declined_short == 0
     assert rig.store.statistics()["session_entries"] == 1
     rig.turn(list(range(3, 200)), "other", max_tokens=4)  # replaces the rows in place
     follow = committed + [stop, 7, 8, 9]
