@@ -212,12 +212,15 @@ class ResidentPrefix:
         ``token_ids[:n]`` (rows above ``taint`` written by decoding). Called before the restore,
         while the old rows are still there: anchors stay only up to the rows both share, and
         no higher than either side's taint, since an anchor over decoded rows would otherwise
-        pass for a cold prefill's; the end anchor goes with its rows."""
+        pass for a cold prefill's; the end anchor goes with its rows. Another session's rows
+        above them are parked first, as a prefill that writes over them would park them."""
         eng = self.engine
         keep = common_prefix(eng.token_ids, list(token_ids[:n]))
         for t in (eng.taint, taint):
             if t is not None:
                 keep = min(keep, t)
+        if self._other_session(session) and eng.length > keep:
+            self._park_current(keep)
         self.anchors_drop_above(keep)
         self.end = None
         self.session = session

@@ -31,7 +31,7 @@ def test_a_prefix_snapshot_is_taken_at_the_longest_line_that_fits_and_resumes_bi
     engine, want = cold(model, second)
     assert torch.equal(logits, want)
     assert_bit_exact(rig.engine, engine, len(second))
-    assert rig.store.stats.prefix_hits == 1
+    assert rig.core.stats.prefix_hits == 1
 
 
 def test_the_resident_prefix_wins_a_tie_and_the_store_only_starts_later(model):
@@ -41,7 +41,7 @@ def test_the_resident_prefix_wins_a_tie_and_the_store_only_starts_later(model):
     rig.prefill(first)
     resume, _ = rig.prefill(first[:280] + tokens(v, 30, 2))
     assert (resume.source, resume.start) == ("resident", 256)
-    assert rig.store.stats.prefix_hits == 0
+    assert rig.core.stats.prefix_hits == 0
 
 
 def test_every_line_is_snapshot_with_boundaries_0_and_only_lines_under_the_cap(model):
@@ -51,7 +51,7 @@ def test_every_line_is_snapshot_with_boundaries_0_and_only_lines_under_the_cap(m
     assert rig.store.statistics()["prefix_entries"] == 4  # 64, 128, 192, 256
     capped = StoreRig(model, entry_nbytes=StoreRig(model).store.snapshot_nbytes(150))
     capped.prefill(tokens(v, 300, 1))
-    assert [e.n for e in capped.store._entries.values()] == [128]
+    assert [e.n for e in capped.core._entries.values()] == [128]
 
 
 def test_no_prefix_snapshot_is_taken_over_rows_decoding_wrote(model):
@@ -59,10 +59,10 @@ def test_no_prefix_snapshot_is_taken_over_rows_decoding_wrote(model):
     rig = StoreRig(model)
     turn1 = tokens(v, 100, 1)
     _, out1 = rig.turn(turn1)
-    puts = rig.store.stats.prefix_puts
+    puts = rig.core.stats.prefix_puts
     rig.turn(turn1 + out1 + tokens(v, 120, 2))  # resumes at the end: taint 100 < line 192
     assert rig.engine.taint is not None
-    assert rig.store.stats.prefix_puts == puts
+    assert rig.core.stats.prefix_puts == puts
 
 
 def test_a_session_snapshot_resumes_the_next_turn_greedy_equal(model):
@@ -70,12 +70,12 @@ def test_a_session_snapshot_resumes_the_next_turn_greedy_equal(model):
     rig = StoreRig(model)
     turn1 = tokens(v, 200, 1)
     _, out1 = rig.turn(turn1, session="a")
-    assert rig.store.stats.session_puts == 1
+    assert rig.core.stats.session_puts == 1
     rig.turn(tokens(v, 250, 2), session="b")  # b replaces a's rows and end anchor
     turn2 = turn1 + out1 + tokens(v, 40, 3)
     resume, out2 = rig.turn(turn2, session="a")
     assert (resume.source, resume.start) == ("store", len(turn1) + len(out1) - 1)
-    assert rig.store.stats.session_hits == 1
+    assert rig.core.stats.session_hits == 1
     assert [out1, out2] == uninterrupted(model, [turn1, turn2])
 
 
@@ -88,7 +88,7 @@ def test_room_is_reserved_before_a_snapshot_is_cloned(model, monkeypatch):
     take = store_module.RowsCopy.take
 
     def watching(state, start, stop):
-        seen.append((rig.memory.held["store"], len(rig.store)))
+        seen.append((rig.memory.held["store"], len(rig.core)))
         return take(state, start, stop)
 
     monkeypatch.setattr(store_module.RowsCopy, "take", staticmethod(watching))
@@ -97,7 +97,7 @@ def test_room_is_reserved_before_a_snapshot_is_cloned(model, monkeypatch):
     # At every clone the bytes were already held, and the third was made room for (the LRU
     # entry evicted) before the clone, never after.
     assert seen == [(one, 0), (2 * one, 1), (2 * one, 1)]
-    assert rig.store.stats.evictions == 1 and len(rig.store) == 2
+    assert rig.core.stats.evictions == 1 and len(rig.core) == 2
     rig.store.check_invariants()
 
 
@@ -114,7 +114,7 @@ def test_a_put_the_engine_is_ahead_of_is_declined_before_anything_is_cloned(mode
         assert not rig.store.put_session(prompt[:90], "conv")
         assert not rig.store.put_session(prompt[:90], "other")
     assert clones == [] and rig.memory.held["store"] == 0
-    assert rig.store.stats.declined_short == 3
+    assert rig.core.stats.declined_short == 3
     said = [e for e in logs if e["event"] == "store_put_declined"]
     assert [(e["reason"], e["conversation"]) for e in said] == [("short", "conv"),
                                                                 ("short", "other")]
@@ -126,7 +126,7 @@ def test_a_put_over_the_entry_cap_is_declined_big_and_said_once(model):
     with capture_logs() as logs:
         rig.turn(tokens(v, 200, 1), session="long")
         rig.turn(tokens(v, 220, 2), session="long")
-    assert rig.store.stats.declined_big == 2 and rig.store.stats.session_puts == 0
+    assert rig.core.stats.declined_big == 2 and rig.core.stats.session_puts == 0
     said = [e for e in logs if e["event"] == "store_put_declined"]
     assert len(said) == 1 and said[0]["reason"] == "big"
     assert "over the entry cap" in said[0]["detail"]
@@ -140,7 +140,7 @@ def test_two_keys_on_one_hash_never_answer_each_other(model):
     rig.prefill(a)  # a snapshot of a's first 128 tokens
     rig.prefill(tokens(v, 200, 9))
     start, entry = rig.store.offer(b)
-    assert (start, entry) == (0, None) and rig.store.stats.collisions >= 1
+    assert (start, entry) == (0, None) and rig.core.stats.collisions >= 1
     resume, logits = rig.prefill(b)
     assert resume.source == "cold"
     engine, want = cold(model, b)
@@ -163,8 +163,31 @@ def test_the_store_is_shed_least_recently_used_first(model):
     for seed in (1, 2, 3):
         rig.prefill(tokens(v, 300, seed))
     one = rig.store.snapshot_nbytes(256)
-    assert rig.store.shed(1) == one and len(rig.store) == 2
-    assert [e.key_ids[:3] for e in rig.store._entries.values()] == [
+    assert rig.store.shed(1) == one and len(rig.core) == 2
+    assert [e.key_ids[:3] for e in rig.core._entries.values()] == [
         tokens(v, 300, 2)[:3], tokens(v, 300, 3)[:3]]
     assert rig.memory.held["store"] == 2 * one
     assert MiB  # the rig's unit
+
+
+def test_a_store_restore_parks_the_conversation_it_replaces(model):
+    """Gate 1 for the store's rows; the parked conversation's next turn comes back from the
+    park (its end anchor: greedy gate), as after any other session's request."""
+    v = model.vocab_size
+    rig = StoreRig(model)  # no park yet: the first conversation's rows are simply replaced
+    b = tokens(v, 300, 1)
+    rig.prefill(b, "b")
+    a = tokens(v, 200, 2)
+    rig.prefill(a, "a")
+    rig.memory.budgets["park"] = 64 * MiB
+    b2 = b[:280] + tokens(v, 30, 3)
+    resume, logits = rig.prefill(b2, "b")
+    assert (resume.source, resume.start) == ("store", 256)
+    engine, want = cold(model, b2)
+    assert torch.equal(logits, want)
+    parked = rig.resident.parked
+    assert parked is not None and parked.session == "a" and parked.token_ids == a
+    a2 = a + tokens(v, 20, 4)
+    resume, out = rig.turn(a2, "a", max_tokens=8)
+    assert resume.source == "park" and resume.start == len(a)
+    assert out == uninterrupted(model, [a2], max_tokens=8)[-1]
