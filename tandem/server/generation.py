@@ -330,6 +330,8 @@ class Run:
             m.prefix_cache_queries.inc(prompt)
             m.prefix_cache_hits.inc(cached)
             m.decode_tok_s.observe(self.result.decode_tok_s)
+            m.spec_drafted.inc(self.result.drafted)
+            m.spec_accepted.inc(self.result.accepted)
         m.generation_tokens.inc(self.completion_tokens)
         if self.finish_reason is not None:
             m.finished.labels(self.finish_reason).inc()

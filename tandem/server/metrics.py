@@ -34,6 +34,12 @@ class Metrics:
             "tandem_prefix_cache_hits",
             "Prompt tokens found in the prefix caches, not prefilled again (tokens).",
             registry=r)
+        self.spec_drafted = Counter(
+            "tandem_spec_draft_tokens", "Tokens the lookup drafter proposed.", registry=r)
+        self.spec_accepted = Counter(
+            "tandem_spec_accepted_tokens",
+            "Drafted tokens the verify blocks accepted (over drafted: the acceptance rate).",
+            registry=r)
         self.finished = Counter("tandem_generations_finished",
                                 "Generations that ended, by finish reason.",
                                 ["finish_reason"], registry=r)

@@ -48,9 +48,15 @@ async def test_a_repeated_request_is_drafted_from_the_suffix_store(small_loaded,
         assert store["state"] == "open" and store["rebuilds"] >= 1
         assert store["rebuild_ms_total"] >= store["rebuild_ms_last"] > 0
         second = await chat(s, base)
+        async with s.get(f"{base}/metrics") as resp:
+            metrics = await resp.text()
     assert second["choices"][0]["message"] == first["choices"][0]["message"]
     spec = second["usage"]["tandem"]["speculation"]
     assert spec["drafted"] > 0 and spec["accepted"] > 0
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("tandem_spec_accepted_tokens_total ")]
+    total = spec["accepted"] + first["usage"]["tandem"]["speculation"]["accepted"]
+    assert accepted and float(accepted[0].split()[1]) == total
     rows = [json.loads(line) for line in config.journal_path().read_text().splitlines()]
     requests = [r for r in rows if r["kind"] == "request"]
     assert (requests[-1]["drafted"], requests[-1]["accepted"]) == (spec["drafted"],
