@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -33,6 +35,10 @@ def main() -> int:
     add_config_flags(parser)
     args = parser.parse_args()
     config = load_config(cli_args=args)
+    # Benchmarks run without the suffix store: one that has seen these sessions (a former run,
+    # real traffic) would draft their answers and inflate the figures (spec).
+    config = msgspec.structs.replace(config, speculation=msgspec.structs.replace(
+        config.speculation, suffix_store=False))
     configure_logging(args.log_level or "warning")
     loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
     files = sorted(p for p in (ROOT / "sessions").iterdir()

@@ -55,6 +55,10 @@ def replay_main(args: argparse.Namespace) -> int:
     from tandem.logs import configure_logging
 
     config = load_config(cli_args=args)
+    # A replayed session must not write itself into the suffix store it may later be measured
+    # against (spec: a store that has seen a benchmark's prompts inflates it).
+    config = msgspec.structs.replace(config, speculation=msgspec.structs.replace(
+        config.speculation, suffix_store_readonly=True))
     # The table goes to stdout; the server's info lines would bury it.
     configure_logging(args.log_level or "warning")
     if args.compare and args.url:
