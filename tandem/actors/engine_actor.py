@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass
 import threading
 import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -52,14 +52,14 @@ from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.suffix import SuffixActor, SuffixAppend
 from tandem.cache.drafter import LookupDrafter
 from tandem.cache.governor import MemoryGovernor, MemoryRefused
+from tandem.cache.endalign import Alignment, EndRecord, align
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix
 from tandem.cache.store import StateStore
-from tandem.server.endalign import Alignment, EndRecord, align
-from tandem.server.reasoning_budget import ReasoningBudget
 from tandem.engine import ContextOverflow, Engine, SamplingParams
 from tandem.models.base import ModelError
+from tandem.models.reasoning_budget import ReasoningBudget
 
 log = structlog.get_logger("tandem.engine")
 

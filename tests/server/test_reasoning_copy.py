@@ -7,7 +7,7 @@ import pytest
 
 from tandem.models.chat import render_chat
 from tandem.models.tokenizer import load_tokenizer, write_qwen_tokenizer
-from tandem.server.endalign import EndRecord, align
+from tandem.cache.endalign import EndRecord, align
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The reasoning budget (tandem/server/reasoning_budget.py): the hidden close it forces, and when
+"""The reasoning budget (tandem/models/reasoning_budget.py): the hidden close it forces, and when
 it does not force."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.models.tokenizer import load_tokenizer, write_qwen_tokenizer
-from tandem.server.reasoning_budget import (
+from tandem.models.reasoning_budget import (
     CLOSE_PHRASE, NEWLINES_IDS, THINK_CLOSE_ID, ReasoningBudget, default_close_ids)
 
 THINK = 9764  # "Let": any reasoning token

@@ -1,4 +1,4 @@
-"""The end alignment (tandem/server/endalign.py) on the real Qwen tokenizer and tandem's template:
+"""The end alignment (tandem/cache/endalign.py) on the real Qwen tokenizer and tandem's template:
 a client's copy of a conversation that parts from the rows inside the answer still resumes at the
 end anchor, and a copy that changed what the engine saw does not."""
 
@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from tandem.models.chat import render_chat
-from tandem.models.tokenizer import load_tokenizer, write_qwen_tokenizer
-from tandem.server.endalign import (
+from tandem.cache.endalign import (
     THINK_CLOSE_ID, EndRecord, Region, align, common_prefix)
-from tandem.server.reasoning_budget import ReasoningBudget
+from tandem.models.chat import render_chat
+from tandem.models.reasoning_budget import ReasoningBudget
+from tandem.models.tokenizer import load_tokenizer, write_qwen_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
 USER = {"role": "user", "content": "What is the capital of France, and why?"}

@@ -9,7 +9,7 @@ them are written and no ``</think>`` is among them, it forces, one a call, the c
 (``close_ids``: hidden, never shown to the client), ``</think>`` and the tokens of ``"\\n\\n"``
 (both structural, visible as the boundary between reasoning and answer), then returns None for
 good and sampling resumes. :attr:`hidden_positions` are the phrase's positions in ``out``, what
-the end anchor records as a hidden span (:mod:`tandem.server.endalign`).
+the end anchor records as a hidden span (:mod:`tandem.cache.endalign`).
 
 Pure: no torch, no asyncio.
 """
