@@ -25,6 +25,11 @@ from tandem.cache.suffix import PersistentSuffixStore, SuffixStoreError
 
 log = structlog.get_logger("tandem.suffix")
 
+# Between two rebuilds the actor rests this many times the last one's time (so rebuilding
+# takes at most a fifth of one core), unless that rest would be under REBUILD_REST_MIN_S.
+REBUILD_REST = 4.0
+REBUILD_REST_MIN_S = 0.5
+
 
 class SuffixAppend(Message):
     """Sender: the engine, after a generation. Receiver: the suffix actor, which appends what
@@ -81,11 +86,18 @@ class SuffixActor(Actor):
             self._rebuild = asyncio.get_running_loop().create_task(self._rebuild_while_stale())
 
     async def _rebuild_while_stale(self) -> None:
+        """Rebuild until the index covers every append, resting ``REBUILD_REST`` times the last
+        build between two: a store of tens of millions of tokens takes seconds to sort, and an
+        agent's turns would otherwise keep a core sorting beside the engine. The newest turns
+        are drafted from the request's own tokens meanwhile."""
         store = self.store
         while store.needs_rebuild:
             t0 = self.clock.monotonic()
             index = await self._on_worker(store.build_index)
-            store.swap(index, (self.clock.monotonic() - t0) * 1000.0)
+            took_s = self.clock.monotonic() - t0
+            store.swap(index, took_s * 1000.0)
+            if store.needs_rebuild and took_s * REBUILD_REST > REBUILD_REST_MIN_S:
+                await self.clock.sleep(took_s * REBUILD_REST)
 
     async def wait_indexed(self) -> None:
         """Until the index covers every append handled so far (tests, benchmarks)."""
