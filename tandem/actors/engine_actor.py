@@ -52,7 +52,8 @@ from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.suffix import SuffixActor, SuffixAppend
 from tandem.cache.drafter import LookupDrafter
 from tandem.cache.governor import MemoryGovernor, MemoryRefused
-from tandem.cache.endalign import Alignment, EndRecord, align
+from tandem.cache.endalign import Alignment
+from tandem.cache.endrecords import EndRecords
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix
@@ -142,15 +143,9 @@ class EngineActor(Actor):
         self.tokenizer = tokenizer
         self.end_align = end_align and tokenizer is not None
         self.end_align_reasoning = end_align_reasoning
-        # Beside the resident end anchor: its rows' tokens, generation regions and hidden
-        # spans (engine thread only).
-        self._record: EndRecord | None = None
-        # The parked conversation's record, when the park holds its end: it moves with the
-        # park, so a copy of that conversation aligns to its end too (spec: "The park keeps
-        # the end anchor too").
-        self._parked_record: EndRecord | None = None
-        self._alignments: dict[str, int] = {}  # how copies met the end anchor, by mode
-        self._replays = 0  # turns whose copy lacked hidden spans that were put back
+        # The records beside the resident prefix's ends, which a client's copy is aligned
+        # with (engine thread only; built with the resident prefix).
+        self.ends: EndRecords | None = None
         # The caches' counters as the engine thread last published them (after each
         # generation): the loop reads this dict, never the tiers' live state.
         self.cache_stats: dict = {"tiers": {}}
@@ -193,6 +188,9 @@ class EngineActor(Actor):
         engine = self._make_engine()
         if self._make_resident is not None:
             self.resident = self._make_resident(engine)
+            if self.end_align:
+                self.ends = EndRecords(self.resident, self.tokenizer.token_bytes,
+                                       allow_reasoning=self.end_align_reasoning)
             if self._make_store is not None:
                 self.store = self._make_store(engine)
             self.planner = Planner(self.resident, self.store, self.governor)
@@ -204,8 +202,9 @@ class EngineActor(Actor):
     def _publish_cache_stats(self) -> None:
         if self.resident is not None:
             resident = self.resident.statistics()
-            resident["alignments"] = dict(self._alignments)
-            resident["replays"] = self._replays
+            ends = self.ends
+            resident["alignments"] = dict(ends.alignments) if ends is not None else {}
+            resident["replays"] = ends.replays if ends is not None else 0
             tiers = {"resident": resident}
             if self.store is not None:
                 tiers["store"] = self.store.statistics()
@@ -409,7 +408,8 @@ class EngineActor(Actor):
                     self.governor.after_request()
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
                             len(job.prompt_ids) - result.reused_tokens, None, budget)
-        alignment = self._align(job.prompt_ids)
+        ends = self.ends
+        alignment = ends.align(job.prompt_ids) if ends is not None else None
         served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
@@ -429,75 +429,22 @@ class EngineActor(Actor):
             # The rows in place are not trusted after a failed forward; a guest's stash goes
             # back, anything else starts again from token 0.
             planner.abort()
-            self._record = self._parked_record = None
+            if ends is not None:
+                ends.forget()
             self._publish_cache_stats()
             raise
-        self._follow_park(parked_before, resume.source == "park")
+        if ends is not None:
+            ends.follow_park(parked_before, resume.source == "park")
         planner.finish(served + result.token_ids, job.session)
         planner.check_invariants()
-        if not resume.guest:
-            self._remember_end(served, result, budget)
+        if ends is not None and not resume.guest:
+            ends.remember(served, result.token_ids,
+                          budget.hidden_positions if budget is not None else ())
         self._publish_cache_stats()
         if alignment is not None and alignment.served is job.prompt_ids:
             alignment = None
         return _Outcome(result, resume.source, resume.guest, len(served) - resume.start,
                         alignment, budget)
-
-    def _follow_park(self, parked_before: Any, swapped_in: bool) -> None:
-        """Keep the end records beside the ends the resident prefix moved: a park of the rows in
-        place takes the current record along; a swap brings the parked one back."""
-        parked = self.resident.parked
-        if parked is parked_before:
-            return
-        leaving = self._record
-        if swapped_in:
-            self._record = self._parked_record
-        if parked is not None and parked.end is not None and leaving is not None \
-                and len(leaving.rows) == parked.end.length:
-            self._parked_record = leaving
-        else:
-            self._parked_record = None
-
-    def _align(self, prompt: list[int]) -> Alignment | None:
-        """The client's copy met against the end anchor's rows (or, failing that, the parked
-        conversation's end): the prompt to serve so that the engine resumes there (hidden
-        spans put back, re-tokenised text and stripped reasoning aligned), or None to serve the
-        copy as it came."""
-        if not self.end_align:
-            return None
-        resident = self.resident
-        candidates = []
-        if resident.end is not None and self._record is not None \
-                and resident.end.length == len(self._record.rows):
-            candidates.append(self._record)
-        parked = resident.parked
-        if parked is not None and parked.end is not None and self._parked_record is not None \
-                and parked.end.length == len(self._parked_record.rows):
-            candidates.append(self._parked_record)
-        for record in candidates:
-            alignment = align(record, prompt, self.tokenizer.token_bytes,
-                              allow_reasoning=self.end_align_reasoning)
-            if alignment is not None and len(alignment.served) > len(record.rows):
-                break
-        else:
-            return None  # nothing aligns, or nothing new to forward: serve the copy as it came
-        self._alignments[alignment.mode] = self._alignments.get(alignment.mode, 0) + 1
-        if alignment.replayed_hidden:
-            self._replays += 1
-        return alignment
-
-    def _remember_end(self, served: list[int], result: Any, budget: Any) -> None:
-        resident = self.resident
-        if resident.end is None or resident.end.length != self.engine.length:
-            self._record = None
-            return
-        in_rows = result.token_ids[:self.engine.length - len(served)]
-        hidden = budget.hidden_positions if budget is not None else ()
-        previous = self._record
-        if previous is not None and self.engine.token_ids[:len(previous.rows)] != previous.rows:
-            previous = None
-        self._record = EndRecord.after_turn(previous, served, in_rows,
-                                            hidden_in_generated=hidden)
 
     def _post(self, job: _Job, msg: Message) -> None:
         """From the engine thread to the loop."""

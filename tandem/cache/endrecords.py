@@ -1,0 +1,87 @@
+"""The end records beside the resident prefix's ends (spec: "The end anchor", "The park keeps
+the end anchor too").
+
+An end anchor holds the state at the end of the last answer; its *record* (endalign.EndRecord)
+holds what the rows there are: their tokens, where each generation sits and the hidden spans a
+client's copy lacks. The record in place follows the end in place, and a parked conversation's
+record follows the parked end, so a copy of either conversation aligns to its end. Engine thread
+only, like the resident prefix whose ends it follows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tandem.cache.endalign import Alignment, EndRecord, align
+from tandem.cache.resident import ResidentPrefix
+
+
+class EndRecords:
+    def __init__(self, resident: ResidentPrefix, token_bytes: Callable[[int], bytes | None], *,
+                 allow_reasoning: bool = True) -> None:
+        self.resident = resident
+        self.token_bytes = token_bytes
+        self.allow_reasoning = allow_reasoning
+        self.record: EndRecord | None = None  # of the end in place
+        self.parked_record: EndRecord | None = None  # of the parked end
+        self.alignments: dict[str, int] = {}  # how copies met an end, by mode
+        self.replays = 0  # turns whose copy lacked hidden spans that were put back
+
+    def align(self, prompt: list[int]) -> Alignment | None:
+        """The client's copy met against the end in place (or, failing that, the parked
+        conversation's end): the prompt to serve so that the engine resumes there (hidden spans
+        put back, re-tokenised text and stripped reasoning aligned), or None to serve the copy
+        as it came."""
+        resident = self.resident
+        candidates = []
+        if resident.end is not None and self.record is not None \
+                and resident.end.length == len(self.record.rows):
+            candidates.append(self.record)
+        parked = resident.parked
+        if parked is not None and parked.end is not None and self.parked_record is not None \
+                and parked.end.length == len(self.parked_record.rows):
+            candidates.append(self.parked_record)
+        for record in candidates:
+            alignment = align(record, prompt, self.token_bytes,
+                              allow_reasoning=self.allow_reasoning)
+            if alignment is not None and len(alignment.served) > len(record.rows):
+                break
+        else:
+            return None  # nothing aligns, or nothing new to forward: serve the copy as it came
+        self.alignments[alignment.mode] = self.alignments.get(alignment.mode, 0) + 1
+        if alignment.replayed_hidden:
+            self.replays += 1
+        return alignment
+
+    def follow_park(self, parked_before: object, swapped_in: bool) -> None:
+        """After a request: a park of the rows in place takes the current record along; a swap
+        brings the parked one back."""
+        parked = self.resident.parked
+        if parked is parked_before:
+            return
+        leaving = self.record
+        if swapped_in:
+            self.record = self.parked_record
+        if parked is not None and parked.end is not None and leaving is not None \
+                and len(leaving.rows) == parked.end.length:
+            self.parked_record = leaving
+        else:
+            self.parked_record = None
+
+    def remember(self, served: list[int], generated: Sequence[int],
+                 hidden_in_generated: Sequence[int]) -> None:
+        """After a turn that kept its end: the record of the rows up to it."""
+        resident, engine = self.resident, self.resident.engine
+        if resident.end is None or resident.end.length != engine.length:
+            self.record = None
+            return
+        in_rows = list(generated[:engine.length - len(served)])
+        previous = self.record
+        if previous is not None and engine.token_ids[:len(previous.rows)] != previous.rows:
+            previous = None
+        self.record = EndRecord.after_turn(previous, served, in_rows,
+                                           hidden_in_generated=hidden_in_generated)
+
+    def forget(self) -> None:
+        """A failed forward: the rows in place are not trusted, nor what recorded them."""
+        self.record = self.parked_record = None
