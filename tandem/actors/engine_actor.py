@@ -438,8 +438,7 @@ class EngineActor(Actor):
         planner.finish(served + result.token_ids, job.session)
         planner.check_invariants()
         if ends is not None and not resume.guest:
-            ends.remember(served, result.token_ids,
-                          budget.hidden_positions if budget is not None else ())
+            ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
         self._publish_cache_stats()
         if alignment is not None and alignment.served is job.prompt_ids:
             alignment = None
@@ -496,7 +495,7 @@ class EngineActor(Actor):
                 end_replayed=(outcome.alignment.replayed_hidden
                               + outcome.alignment.replayed_reasoning
                               if outcome.alignment else 0),
-                hidden_tokens=len(outcome.budget.hidden_positions) if outcome.budget else 0,
+                hidden_tokens=len(_hidden(outcome.budget, result.token_ids)),
                 drafted=result.drafted, accepted=result.accepted),
                 job)
             self.drafted_total += result.drafted
@@ -545,3 +544,11 @@ class EngineActor(Actor):
                         request_id=None if job is None else job.request_id)
             if job is not None:
                 job.cancel.set()
+
+
+def _hidden(budget: ReasoningBudget | None, out: list[int]) -> list[int]:
+    """The budget's hidden positions inside the output: a verify block asks the budget about
+    positions a stop then left unwritten."""
+    if budget is None:
+        return []
+    return [p for p in budget.hidden_positions if p < len(out)]

@@ -231,3 +231,20 @@ def test_a_sampled_speculative_run_has_the_targets_distribution():
     assert sum(counts.values()) == n
     assert chi2 < 37.7, (chi2, counts)  # df 15, p = 0.001
     assert not math.isnan(chi2)
+
+
+def test_forced_tokens_are_the_targets_in_a_verify_block_too(model):
+    """A reasoning budget's hidden close (force) at positions 6-8: drafts that match it are
+    accepted, drafts that do not are replaced by it, as without speculation."""
+    prompt = repetitive(60)
+
+    def force(out):
+        return [1, 2, 3][len(out) - 6] if 6 <= len(out) < 9 else None
+
+    want = Engine(model, window=WINDOW, prefix_chunk=CHUNK).generate(
+        prompt, SamplingParams(max_tokens=30), force=force)
+    assert want.token_ids[6:9] == [1, 2, 3]
+    for draft in (lookup_drafter, echo_drafter(prompt, want.token_ids), lambda c, k: [1] * k):
+        got = Engine(model, window=WINDOW, prefix_chunk=CHUNK).generate(
+            prompt, SamplingParams(max_tokens=30), force=force, draft=draft, draft_max=4)
+        assert got.token_ids == want.token_ids
