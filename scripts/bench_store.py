@@ -112,7 +112,7 @@ def main() -> None:
         counts = {s: sources.count(s) for s in dict.fromkeys(sources)}
         print(f"{mode:<10} {ttfts[0]:>9.1f} {rest:>12.1f} {statistics.mean(ttfts[1:]):>10.1f} "
               f"{base / rest:>7.1f}x  {counts}")
-    store = results["store"][3].planner.store
+    store = results["store"][3].planner.store.port  # the core itself here (no actor)
     cost = results["store"][3].engine.cost()
     print("\nsnapshot bytes against cost() prediction")
     print(f"{'kind':<8} {'tokens':>7} {'reserved':>12} {'tensors':>12} {'cost()':>12} {'ratio':>6}")
