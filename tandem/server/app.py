@@ -123,7 +123,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     app[CONFIG] = config
     app[MODEL_NAME] = loaded.name
     app[SUFFIX] = suffix
-    app[CACHE_STATS] = partial(_cache_stats, engine, state)
+    app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix)
     if governor is not None:
         app[MEMORY] = governor.statistics
     app.cleanup_ctx.append(_system)
@@ -180,11 +180,19 @@ def make_governor(config: Config, model) -> MemoryGovernor:
     return MemoryGovernor(limits, allocator)
 
 
-def _cache_stats(engine: Actor, state: ServerState) -> dict:
+def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
+                 suffix: SuffixActor | None) -> dict:
     doc = getattr(engine, "cache_stats", {"tiers": {}})
+    extra = {}
+    if store is not None:
+        # Read on the loop, where the store actor runs: current, not as of the last request.
+        extra["store"] = store.core.statistics()
     if state.response_cache is not None:
-        doc = {**doc, "tiers": {**doc.get("tiers", {}),
-                                "response": state.response_cache.statistics()}}
+        extra["response"] = state.response_cache.statistics()
+    if suffix is not None:
+        extra["suffix"] = suffix.report()
+    if extra:
+        doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
     return doc
 
 

@@ -96,3 +96,19 @@ async def test_a_store_of_another_tokenizer_is_refused_and_the_server_still_answ
     assert answer["choices"][0]["message"]["content"] is not None
     # The foreign store is left as it was: refused, never overwritten.
     assert (suffix / "tokens.u32").read_bytes() == b"\x01\x00\x00\x00\xff\xff\xff\xff"
+
+
+async def test_cache_stats_list_the_suffix_store_and_the_store_actors_counters(
+        small_loaded, make_config, serve):
+    config = with_speculation(make_config(), speculation="lookup")
+    async with serve(build_app(config, small_loaded)) as server, aiohttp.ClientSession() as s:
+        base = f"http://127.0.0.1:{server.port}"
+        await chat(s, base)
+        await indexed(s, base)
+        async with s.get(f"{base}/v1/cache/stats") as resp:
+            tiers = (await resp.json())["tiers"]
+        async with s.get(f"{base}/v1/actors") as resp:
+            actors = [a["name"] for a in (await resp.json())["actors"]]
+    assert tiers["suffix"]["state"] == "open" and tiers["suffix"]["tokens"] > 0
+    assert tiers["store"]["session_puts"] == 1 and tiers["store"]["leased"] == 0
+    assert {"suffix", "store", "engine"} <= set(actors)
