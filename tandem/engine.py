@@ -311,9 +311,10 @@ class Engine:
 
         ``draft(context, k)`` (speculation) proposes up to ``draft_max`` tokens to follow the
         context; they are checked in one verify block and the longest prefix the target agrees
-        with is kept (greedy: the argmax; sampled: the speculative sampling rule, drawn so that a
-        seed gives the tokens it gives without speculation), so the output is the target's. A generation that stops inside an accepted block leaves the rows ahead
-        of its output in a pending commit (``trim_pending`` cuts them back).
+        with is kept (greedy: the argmax; sampled: the speculative sampling rule, drawn so that
+        a seed gives the tokens it gives without speculation), so the output is the target's.
+        A generation that stops inside an accepted block leaves the rows ahead of its output in
+        a pending commit (``trim_pending`` cuts them back).
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")

@@ -59,8 +59,12 @@ class Planner:
             if not offer.guest:
                 start, entry = store.offer(served)
                 if entry is not None and start > offer.start:
-                    resident.adopt(start, entry.key_ids, entry.taint, session)
-                    store.restore(entry, served)
+                    try:
+                        resident.adopt(start, entry.key_ids, entry.taint, session)
+                    except BaseException:
+                        store.release(entry)  # the lease goes back whatever happens
+                        raise
+                    store.restore(entry, served)  # releases the lease itself
                     return Resume(start, "store")
                 if entry is None:
                     store.count_miss()
