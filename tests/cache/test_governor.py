@@ -145,6 +145,9 @@ def test_measured_for_real_the_process_stays_under_the_peak_it_was_given(model):
     ws = governor.workspace_nbytes(300)
     peak = held + ws
     governor.set_limits(MemoryLimits(held - (1 << 20), peak, 1 << 20))
+    # The most held is counted from here: the two turns above ran under roomy limits, and the
+    # process may have held more then than it holds now (the flake this line fixed).
+    governor.stats.max_prefill_nbytes = 0
     for seed in (3, 4, 5):
         rig.turn(tokens(v, 300, seed), session=str(seed))
         assert governor.stats.last_prefill["max_held"] <= peak
