@@ -19,6 +19,7 @@ from typing import Protocol, Sequence
 import structlog
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
+from tandem.cache.keep import End, Parked, Pinned, clone, pin_lines, take_park, take_pin
 from tandem.cache.memory import MemoryAccountant
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
@@ -59,33 +60,6 @@ class Resume:
         if self.source == "cold":
             return None
         return "store" if self.source == "store" else "resident"
-
-
-@dataclass
-class _End:
-    length: int
-    copy: SectionsCopy
-
-
-@dataclass
-class _Pinned:
-    token_ids: list[int]  # the head's tokens, rows [0, len)
-    rows: RowsCopy
-    anchors: dict[int, SectionsCopy]
-    taint: int | None
-    nbytes: int
-
-
-@dataclass
-class _Parked:
-    session: str | None
-    token_ids: list[int]  # the parked conversation's rows, [0, len)
-    head: int  # rows [0, head) were left in place and must be there to come back
-    rows: RowsCopy  # rows [head, len)
-    anchors: dict[int, SectionsCopy]
-    end: _End | None
-    taint: int | None
-    nbytes: int
 
 
 @dataclass
@@ -130,10 +104,10 @@ class ResidentPrefix:
         self.pin_every, self.pin_max = pin_every, pin_max
         self.park_anchors = park_anchors
         self.anchors: dict[int, SectionsCopy] = {}
-        self.end: _End | None = None
+        self.end: End | None = None
         self._end_buffer: SectionsCopy | None = None  # the same buffers turn after turn
-        self.pinned: _Pinned | None = None
-        self.parked: _Parked | None = None
+        self.pinned: Pinned | None = None
+        self.parked: Parked | None = None
         self.stash: _Stash | None = None
         self.session: str | None = None  # of the rows in place
         self.stats = ResidentStats()
@@ -310,7 +284,7 @@ class ResidentPrefix:
                 self._end_buffer.copy_from(state)
         else:
             self.end.copy.copy_from(state)
-        self.end = _End(eng.length, self._end_buffer)
+        self.end = End(eng.length, self._end_buffer)
         self.stats.ends += 1
 
     # -- guests ----------------------------------------------------------------------------
@@ -445,36 +419,22 @@ class ResidentPrefix:
 
     def _pin_head(self) -> None:
         eng = self.engine
-        keepers = sorted(line for line in self.anchors
-                         if line % (self.pin_every * self.chunk) == 0
-                         and line <= self.pin_every * self.pin_max * self.chunk)
-        if not keepers:
+        if not pin_lines(self.anchors, chunk=self.chunk, pin_every=self.pin_every,
+                         pin_max=self.pin_max):
             return
-        state = eng.cache_state()
         if self.pinned is not None:
             # The head already pinned is kept when the rows in place share it whole.
             if common_prefix(self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids):
                 return
             self._drop_pin()
-        budget = self.memory.room("pin")
-        while keepers:
-            head = keepers[-1]
-            nbytes = (RowsCopy.nbytes_of(state, head)
-                      + len(keepers) * SectionsCopy.nbytes_of(state))
-            if nbytes <= budget:
-                break
-            keepers.pop()
-        if not keepers or not self.memory.reserve("pin", nbytes):
+        pinned = take_pin(eng.cache_state(), eng.token_ids, eng.taint, self.anchors, self.memory,
+                          chunk=self.chunk, pin_every=self.pin_every, pin_max=self.pin_max)
+        if pinned is None:
             return
-        self.pinned = _Pinned(token_ids=list(eng.token_ids[:head]),
-                              rows=RowsCopy.take(state, 0, head),
-                              anchors={line: SectionsCopy(
-                                  {k: t.clone() for k, t in self.anchors[line].tensors.items()})
-                                  for line in keepers},
-                              taint=eng.taint if eng.taint is not None and eng.taint < head else None,
-                              nbytes=nbytes)
+        self.pinned = pinned
         self.stats.pins += 1
-        log.info("head_pinned", rows=head, anchors=len(keepers), nbytes=nbytes)
+        log.info("head_pinned", rows=len(pinned.token_ids), anchors=len(pinned.anchors),
+                 nbytes=pinned.nbytes)
 
     def _drop_pin(self) -> None:
         if self.pinned is not None:
@@ -482,10 +442,7 @@ class ResidentPrefix:
             self.pinned = None
 
     def _pin_offer(self, prompt: list[int], limit: int) -> int:
-        if self.pinned is None:
-            return 0
-        cp = common_prefix(prompt, self.pinned.token_ids)
-        return max((line for line in self.pinned.anchors if line <= min(cp, limit)), default=0)
+        return self.pinned.offer(prompt, limit) if self.pinned is not None else 0
 
     def _swap_in_pin(self, prompt: list[int], line: int, session: str | None) -> Resume:
         eng, pin = self.engine, self.pinned
@@ -503,7 +460,7 @@ class ResidentPrefix:
         eng.taint = pin.taint if pin.taint is not None and pin.taint < line else None
         for at, copy in pin.anchors.items():
             if shared < at <= line and self.memory.reserve("anchors", copy.nbytes):
-                self.anchors[at] = SectionsCopy({k: t.clone() for k, t in copy.tensors.items()})
+                self.anchors[at] = clone(copy)
         self.session = session
         self.stats.pin_hits += 1
         return Resume(line, "pin")
@@ -517,40 +474,14 @@ class ResidentPrefix:
         state = eng.cache_state()
         if self.parked is not None:
             self._drop_park()  # one parked session; a third one's park goes
-        budget = self.memory.room("park")
-        per_anchor = SectionsCopy.nbytes_of(state)
-        above = sorted(line for line in self.anchors if line > head)
-        end = self.end if self.end is not None and self.end.length > head else None
-        stop, keep_end = None, False
-        if end is not None:
-            anchors = above[-(self.park_anchors - 1):] if self.park_anchors > 1 else []
-            nbytes = RowsCopy.nbytes_of(state, end.length - head) + per_anchor * (len(anchors) + 1)
-            if nbytes <= budget:
-                stop, keep_end = end.length, True
-        if stop is None:
-            while above:
-                anchors = above[-self.park_anchors:]
-                nbytes = RowsCopy.nbytes_of(state, above[-1] - head) + per_anchor * len(anchors)
-                if nbytes <= budget:
-                    stop = above[-1]
-                    break
-                above.pop()
-        if stop is None or not self.memory.reserve("park", nbytes):
+        parked = take_park(state, eng.token_ids, eng.taint, head, self.anchors, self.end,
+                           self.memory, session=self.session, park_anchors=self.park_anchors)
+        if parked is None:
             return
-        end_copy = None
-        if keep_end:
-            end_copy = _End(end.length, SectionsCopy(
-                {k: t.clone() for k, t in end.copy.tensors.items()}))
-        self.parked = _Parked(
-            session=self.session, token_ids=list(eng.token_ids[:stop]), head=head,
-            rows=RowsCopy.take(state, head, stop),
-            anchors={line: SectionsCopy({k: t.clone() for k, t in self.anchors[line].tensors.items()})
-                     for line in anchors if line <= stop},
-            end=end_copy, taint=eng.taint if eng.taint is not None and eng.taint < stop else None,
-            nbytes=nbytes)
+        self.parked = parked
         self.stats.parks += 1
-        log.info("session_parked", head=head, rows=stop - head, anchors=len(self.parked.anchors),
-                 end=keep_end, nbytes=nbytes)
+        log.info("session_parked", head=head, rows=len(parked.token_ids) - head,
+                 anchors=len(parked.anchors), end=parked.end is not None, nbytes=parked.nbytes)
 
     def _drop_park(self) -> None:
         if self.parked is not None:
@@ -559,12 +490,7 @@ class ResidentPrefix:
 
     def _park_offer(self, prompt: list[int], limit: int) -> int:
         park = self.parked
-        if park is None or self.engine.token_ids[:park.head] != park.token_ids[:park.head]:
-            return 0  # the shared head has to be in place
-        cp = min(common_prefix(prompt, park.token_ids), limit)
-        if park.end is not None and park.end.length <= cp:
-            return park.end.length
-        return max((line for line in park.anchors if line <= cp), default=0)
+        return park.offer(self.engine.token_ids, prompt, limit) if park is not None else 0
 
     def _swap_in_park(self, prompt: list[int], point: int, session: str | None) -> Resume:
         """The parked conversation comes back and the one in place is parked as it leaves."""
@@ -590,7 +516,7 @@ class ResidentPrefix:
             elif self._end_buffer is not None:
                 self._end_buffer.copy_from(state)
             if self._end_buffer is not None:
-                self.end = _End(point, self._end_buffer)
+                self.end = End(point, self._end_buffer)
         self.session = park.session if session is None else session
         self.stats.park_hits += 1
         return Resume(point, "park")
