@@ -137,6 +137,25 @@ async def bench_ask(n: int, repeats: int) -> dict[str, float]:
     return {"ask": ask_s, "await": await_s, "call": call_s}
 
 
+async def bench_thread_ask(n: int, repeats: int) -> float:
+    """An ask from another thread, waited on there: what the engine thread pays for each call
+    of the state store's port (tandem/actors/store.py)."""
+    supervisor = Supervisor()
+    echo = supervisor.add(EchoActor("echo"))
+    loop = asyncio.get_running_loop()
+
+    def asks() -> float:
+        start = time.perf_counter()
+        for i in range(n):
+            asyncio.run_coroutine_threadsafe(echo.ask(Echo(i), 1.0), loop).result()
+        return (time.perf_counter() - start) / n
+
+    async with supervisor:
+        await asyncio.to_thread(asks)  # warm up
+        best = min([await asyncio.to_thread(asks) for _ in range(repeats)])
+    return best
+
+
 # -- 2. per-token hand-off from a worker thread -----------------------------------------------
 
 
@@ -397,6 +416,10 @@ async def run(args: argparse.Namespace) -> None:
     print(f"  {'actor ask':34s}{us(ask['ask'])}")
     print(f"  {'plain await of a coroutine':34s}{us(ask['await'])}   ask / await = {ask['ask'] / ask['await']:8.1f}x")
     print(f"  {'plain function call':34s}{us(ask['call'])}   ask / call  = {ask['ask'] / ask['call']:8.1f}x")
+
+    thread_ask = await bench_thread_ask(n_ask // 4, repeats)
+    print(f"  {'ask from a worker thread, waited':34s}{us(thread_ask)}   thread / ask = "
+          f"{thread_ask / ask['ask']:8.1f}x  (the store port's cost a call)")
 
     handoff = await bench_handoff(n_tokens, repeats)
     print(f"\nper-token hand-off, worker thread -> event loop ({n_tokens:,} tokens)")

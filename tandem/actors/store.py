@@ -32,7 +32,8 @@ ASK_TIMEOUT_S = 30.0
 
 class StoreOffer(Message):
     """Sender: the engine thread, before a prefill. Receiver: the store; replies
-    `StoreOffered` with the longest entry that starts the prompt, lent until `StoreRelease`."""
+    `StoreOffered` with the longest entry that starts the prompt, lent until `StoreRelease`
+    (a prompt with none is counted as a miss there: one ask, not two)."""
 
     prompt_ids: list[int]
 
@@ -49,10 +50,6 @@ class StoreRelease(Message):
 
     entry: Any  # the StoreEntry of a StoreOffered
     hit: bool
-
-
-class StoreMiss(Message):
-    """Sender: the engine thread: a prefill the store had nothing for."""
 
 
 class StoreAdmit(Message):
@@ -138,8 +135,6 @@ class StoreActor(Actor):
                 return StoreOffered(start, entry)
             case StoreRelease():
                 core.release(msg.entry, msg.hit)
-            case StoreMiss():
-                core.count_miss()
             case StoreAdmit():
                 return StoreAdmitted(core.admit(msg.key_ids, msg.kind, msg.nbytes))
             case StoreInsert():
@@ -187,9 +182,6 @@ class StoreActorPort:
 
     def release(self, entry: StoreEntry, hit: bool) -> None:
         self._ask(StoreRelease(entry, hit))
-
-    def count_miss(self) -> None:
-        self._ask(StoreMiss())
 
     def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str:
         reply = self._ask(StoreAdmit(list(key_ids), kind, nbytes))

@@ -66,9 +66,7 @@ class Planner:
                         raise
                     store.restore(entry, served)  # releases the lease itself
                     return Resume(start, "store")
-                if entry is None:
-                    store.count_miss()
-                else:
+                if entry is not None:
                     store.release(entry)  # the resident prefix serves it as well or better
         return resident.begin(served, max_tokens, session)
 

@@ -87,7 +87,6 @@ class StorePort(Protocol):
 
     def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]: ...
     def release(self, entry: StoreEntry, hit: bool) -> None: ...
-    def count_miss(self) -> None: ...
     def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str: ...
     def insert(self, entry: StoreEntry) -> None: ...
     def cancel(self, nbytes: int) -> None: ...
@@ -118,7 +117,7 @@ class StoreCore:
 
     def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]:
         """The longest entry whose tokens start the prompt with at least one token left to
-        forward: (its length, the entry, leased until ``release``), or (0, None)."""
+        forward: (its length, the entry, leased until ``release``), or (0, None), a miss."""
         prompt = list(prompt_ids)
         limit = len(prompt) - 1
         for n in sorted({e.n for e in self._entries.values()}, reverse=True):
@@ -132,6 +131,7 @@ class StoreCore:
                     self._leased[id(entry)] = self._leased.get(id(entry), 0) + 1
                     return n, entry
                 self.stats.collisions += 1
+        self.stats.misses += 1
         return 0, None
 
     def release(self, entry: StoreEntry, hit: bool) -> None:
@@ -150,9 +150,6 @@ class StoreCore:
             self.stats.prefix_hits += 1
         else:
             self.stats.session_hits += 1
-
-    def count_miss(self) -> None:
-        self.stats.misses += 1
 
     # -- puts ------------------------------------------------------------------------------
 
@@ -338,9 +335,6 @@ class StateStore:
             raise
         self.port.release(entry, True)
         return n
-
-    def count_miss(self) -> None:
-        self.port.count_miss()
 
     # -- the prefix cache ------------------------------------------------------------------
 
