@@ -188,11 +188,13 @@ class EngineActor(Actor):
         engine = self._make_engine()
         if self._make_resident is not None:
             self.resident = self._make_resident(engine)
-            if self.end_align:
-                self.ends = EndRecords(self.resident, self.tokenizer.token_bytes,
-                                       allow_reasoning=self.end_align_reasoning)
             if self._make_store is not None:
                 self.store = self._make_store(engine)
+            if self.end_align:
+                self.ends = EndRecords(
+                    self.resident, self.tokenizer.token_bytes,
+                    allow_reasoning=self.end_align_reasoning,
+                    holds=self.store.holds if self.store is not None else None)
             self.planner = Planner(self.resident, self.store, self.governor)
             self._publish_cache_stats()
         elif self.governor is not None:
@@ -205,6 +207,7 @@ class EngineActor(Actor):
             ends = self.ends
             resident["alignments"] = dict(ends.alignments) if ends is not None else {}
             resident["replays"] = ends.replays if ends is not None else 0
+            resident["aligned_to_store"] = ends.stored if ends is not None else 0
             tiers = {"resident": resident}
             if self.store is not None:
                 tiers["store"] = self.store.statistics()

@@ -52,6 +52,17 @@ class StoreRelease(Message):
     hit: bool
 
 
+class StoreHolds(Message):
+    """Sender: the engine thread (the end alignment, before it serves a client's copy as the
+    rows of a stored session). Replies `StoreHeld`."""
+
+    key_ids: list[int]
+
+
+class StoreHeld(Message):
+    held: bool
+
+
 class StoreAdmit(Message):
     """Sender: the engine thread, before it clones a snapshot. Receiver: the store, which makes
     room (evicting least recently used entries) and replies `StoreAdmitted`."""
@@ -135,6 +146,8 @@ class StoreActor(Actor):
                 return StoreOffered(start, entry)
             case StoreRelease():
                 core.release(msg.entry, msg.hit)
+            case StoreHolds():
+                return StoreHeld(core.holds(msg.key_ids))
             case StoreAdmit():
                 return StoreAdmitted(core.admit(msg.key_ids, msg.kind, msg.nbytes))
             case StoreInsert():
@@ -182,6 +195,10 @@ class StoreActorPort:
 
     def release(self, entry: StoreEntry, hit: bool) -> None:
         self._ask(StoreRelease(entry, hit))
+
+    def holds(self, key_ids: list[int]) -> bool:
+        reply = self._ask(StoreHolds(list(key_ids)))
+        return reply is not None and reply.held
 
     def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str:
         reply = self._ask(StoreAdmit(list(key_ids), kind, nbytes))

@@ -10,22 +10,35 @@ only, like the resident prefix whose ends it follows.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from tandem.cache.endalign import Alignment, EndRecord, align
 from tandem.cache.resident import ResidentPrefix
 
 
+RECENT = 8  # records of the last turns kept for the state store's session snapshots
+
+
 class EndRecords:
     def __init__(self, resident: ResidentPrefix, token_bytes: Callable[[int], bytes | None], *,
-                 allow_reasoning: bool = True) -> None:
+                 allow_reasoning: bool = True,
+                 holds: Callable[[list[int]], bool] | None = None) -> None:
+        """``holds(rows)``: whether the state store holds a session snapshot of exactly these
+        rows (None: no store). A client's copy that aligns with a recent turn's record is
+        served as that record's rows only when it does, so the store resumes it there."""
         self.resident = resident
         self.token_bytes = token_bytes
         self.allow_reasoning = allow_reasoning
+        self.holds = holds
         self.record: EndRecord | None = None  # of the end in place
         self.parked_record: EndRecord | None = None  # of the parked end
+        # The last turns' records, newest last: their rows are what a session snapshot of
+        # that turn is keyed by, once the end in place and the park have moved on.
+        self.recent: deque[EndRecord] = deque(maxlen=RECENT)
         self.alignments: dict[str, int] = {}  # how copies met an end, by mode
         self.replays = 0  # turns whose copy lacked hidden spans that were put back
+        self.stored = 0  # copies aligned with a stored session's rows
 
     def align(self, prompt: list[int]) -> Alignment | None:
         """The client's copy met against the end in place (or, failing that, the parked
@@ -42,12 +55,29 @@ class EndRecords:
                 and parked.end.length == len(self.parked_record.rows):
             candidates.append(self.parked_record)
         for record in candidates:
-            alignment = align(record, prompt, self.token_bytes,
-                              allow_reasoning=self.allow_reasoning)
-            if alignment is not None and len(alignment.served) > len(record.rows):
-                break
-        else:
-            return None  # nothing aligns, or nothing new to forward: serve the copy as it came
+            alignment = self._align(record, prompt)
+            if alignment is not None:
+                return self._count(alignment)
+        if self.holds is None:
+            return None
+        # Then the recent turns whose ends have gone (a third conversation took the park):
+        # their session snapshots may still be in the store.
+        for record in reversed(self.recent):
+            if any(record is tried for tried in candidates):
+                continue
+            alignment = self._align(record, prompt)
+            if alignment is not None and self.holds(record.rows):
+                self.stored += 1
+                return self._count(alignment)
+        return None  # nothing aligns, or nothing new to forward: serve the copy as it came
+
+    def _align(self, record: EndRecord, prompt: list[int]) -> Alignment | None:
+        alignment = align(record, prompt, self.token_bytes, allow_reasoning=self.allow_reasoning)
+        if alignment is not None and len(alignment.served) > len(record.rows):
+            return alignment
+        return None
+
+    def _count(self, alignment: Alignment) -> Alignment:
         self.alignments[alignment.mode] = self.alignments.get(alignment.mode, 0) + 1
         if alignment.replayed_hidden:
             self.replays += 1
@@ -81,6 +111,7 @@ class EndRecords:
             previous = None
         self.record = EndRecord.after_turn(previous, served, in_rows,
                                            hidden_in_generated=hidden_in_generated)
+        self.recent.append(self.record)
 
     def forget(self) -> None:
         """A failed forward: the rows in place are not trusted, nor what recorded them."""

@@ -87,6 +87,7 @@ class StorePort(Protocol):
 
     def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]: ...
     def release(self, entry: StoreEntry, hit: bool) -> None: ...
+    def holds(self, key_ids: list[int]) -> bool: ...
     def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str: ...
     def insert(self, entry: StoreEntry) -> None: ...
     def cancel(self, nbytes: int) -> None: ...
@@ -150,6 +151,10 @@ class StoreCore:
             self.stats.prefix_hits += 1
         else:
             self.stats.session_hits += 1
+
+    def holds(self, key_ids: list[int]) -> bool:
+        """Whether an entry of exactly these tokens is held (compared element by element)."""
+        return self._find(list(key_ids)) is not None
 
     # -- puts ------------------------------------------------------------------------------
 
@@ -315,6 +320,9 @@ class StateStore:
 
     def release(self, entry: StoreEntry) -> None:
         self.port.release(entry, False)
+
+    def holds(self, key_ids: Sequence[int]) -> bool:
+        return self.port.holds(list(key_ids))
 
     def restore(self, entry: StoreEntry, prompt_ids: Sequence[int]) -> int:
         """Write an offered entry back into the engine's buffers and put the engine at its

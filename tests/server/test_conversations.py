@@ -145,3 +145,25 @@ async def test_a_short_open_webui_chat_comes_back_from_the_park_at_its_end(serve
         answer = resp.choices[0].message
     stats = server.app[CACHE_STATS]()["tiers"]["resident"]
     assert stats["park_hits"] == 2 and stats["guests"] == 0
+
+
+async def test_an_open_webui_chat_whose_park_was_taken_comes_back_from_the_store(server, sdk):
+    """After the first answer Open WebUI sends a title, a tags and a follow-up request, each
+    the chat as text and too long to be a guest: the second one's park takes the slot from the
+    chat. The chat's next copy, its reasoning stripped, aligns with the rows of the turn's
+    session snapshot, and the state store resumes it there (greedy gate)."""
+    client = sdk(server)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    first = await _chat(client, messages, "A short answer will do.\n</think>\n\nBlue.")
+    answer = first.choices[0].message
+    for task in ("a title", "tags", "3 follow-up questions"):
+        await _chat(client, [{"role": "user", "content": f"Generate {task} for this chat: "
+                              "### Task ... " * 3}], "Ok.\n</think>\n\n[\"x\"]")
+    messages += [{"role": "assistant", "content": answer.content},
+                 {"role": "user", "content": "Another one, please."}]
+    resp = await _chat(client, messages, "Again.\n</think>\n\nGreen.")
+    cache = _cache(resp)
+    assert (cache["source"], cache["aligned"]) == ("store", "reasoning"), cache
+    assert cache["reread"] < 30
+    stats = server.app[CACHE_STATS]()["tiers"]
+    assert stats["resident"]["aligned_to_store"] == 1 and stats["store"]["session_hits"] == 1
