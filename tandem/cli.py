@@ -116,7 +116,8 @@ def generate_main(args) -> int:
                                  draft_max=config.speculation.draft_max)
         wall_ms = (time.perf_counter() - t0) * 1000
         if store is not None:
-            store.add_request(prompt, result.token_ids)
+            store.add_request(prompt, result.token_ids)  # read-only beside a server: nothing
+            store.close()
     except (ModelError, ValueError) as exc:
         print(f"tandem generate: {exc}", file=sys.stderr)
         return 2

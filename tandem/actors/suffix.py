@@ -67,6 +67,8 @@ class SuffixActor(Actor):
             await asyncio.gather(self._rebuild, return_exceptions=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
 
     async def handle(self, msg: Message) -> object | None:
         match msg:

@@ -11,6 +11,7 @@ length published with it. `swap` installs the result; lookups read whichever ind
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import struct
@@ -32,6 +33,7 @@ JOIN_NUM_TOKENS = 8  # tokens before the parting point appended again, so join n
 MAX_SCAN = 64  # SA entries of a match's range scanned for the most recent occurrence
 TOKENS_FILE = "tokens.u32"
 META_FILE = "meta.json"
+LOCK_FILE = "lock"
 _REPO_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the tandem package
 
 
@@ -152,15 +154,40 @@ class PersistentSuffixStore:
         if not readonly or self.directory.exists():
             self.directory.mkdir(parents=True, exist_ok=True)
             os.chmod(self.directory, 0o700)  # explicit: mkdir's mode is masked by the umask
+        self._lock = None
+        self.busy = False  # another process writes this store: opened read-only instead
+        if not readonly:
+            self._take_writer_lock()
         tokens = self._open()
         self._log = (tokens, len(tokens), 0)  # buffer, length, generation; assigned whole
         self.documents = int(np.count_nonzero(tokens == SEPARATOR))
-        if not readonly:
+        if not self.readonly:
             self._enforce_cap()
         log.info("suffix_store_opened", directory=str(self.directory), tokens=self.num_tokens,
-                 documents=self.documents, readonly=readonly, scope=scope)
+                 documents=self.documents, readonly=self.readonly, scope=scope)
 
     # -- opening -------------------------------------------------------------------------------
+
+    def _take_writer_lock(self) -> None:
+        """One writer a store: two processes appending to one log would interleave documents
+        and each keep a log in memory the file no longer is. A second writer (a `tandem
+        generate` beside a server on the same home) opens the store read-only instead."""
+        lock = open(self.directory / LOCK_FILE, "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            self.readonly = self.busy = True
+            log.warning("suffix_store_busy", directory=str(self.directory),
+                        action="opened read-only")
+            return
+        self._lock = lock
+
+    def close(self) -> None:
+        """Give the writer's lock back (the process's exit does too)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def _open(self) -> np.ndarray:
         recorded = self._read_meta()
@@ -315,6 +342,7 @@ class PersistentSuffixStore:
                 "indexed_tokens": self.index.num_tokens if self.index is not None else 0,
                 "appended_total": self.appended_total, "deduped_total": self.deduped_total,
                 "readonly_skipped": self.readonly_skipped, "forgotten_total": self.forgotten_total,
+                "busy": self.busy,
                 "rebuilds": self.rebuilds, "rebuild_ms_total": self.rebuild_ms_total,
                 "rebuild_ms_last": self.rebuild_ms_last}
 

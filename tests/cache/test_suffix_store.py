@@ -233,3 +233,19 @@ def reference(log: list[int], context: list[int], k: int, max_ngram: int) -> lis
         follow = log[followed[-1] + n:followed[-1] + n + k]
         return follow[:follow.index(SEPARATOR)] if SEPARATOR in follow else follow
     return []
+
+
+def test_a_second_writer_opens_the_store_read_only_until_the_first_lets_go(tmp_path):
+    first = make_store(tmp_path / "s")
+    first.add_request([1, 2, 3, 4], [5])
+    before = file_ids(tmp_path / "s")
+    second = make_store(tmp_path / "s")  # another process, as flock sees it
+    assert second.busy and second.readonly and not first.busy
+    assert second.add_request([7, 8, 9], [10]) == 0 and second.readonly_skipped == 1
+    assert file_ids(tmp_path / "s") == before
+    assert indexed(second).lookup([2, 3], 2) == [4, 5]  # it still drafts from what is there
+    first.close()
+    third = make_store(tmp_path / "s")
+    assert not third.busy
+    assert third.add_request([7, 8, 9], [10]) > 0
+    third.check_invariants()
