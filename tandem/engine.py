@@ -29,6 +29,12 @@ class ContextOverflow(ModelError):
         self.window = window
 
 
+# The shortest draft a verify block asks for, and where the draft length starts and falls back
+# to after a rejection: on a CPU a block of up to 5 positions costs one decode step (the head is
+# streamed once), so a wrong draft of 4 costs nothing; 9 positions cost about two.
+DRAFT_FLOOR = 4
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -361,6 +367,8 @@ class Engine:
             return sampler(logits) if forced is None else forced
 
         token = target(logits, out) if params.max_tokens > 0 else None
+        k_floor = min(DRAFT_FLOOR, draft_max)
+        k = k_floor
         while token is not None:
             if take(token):
                 break
@@ -371,7 +379,7 @@ class Engine:
                 break
             # Drafts for the tokens still wanted after this one: the last token wanted is
             # sampled from the block's logits, never forwarded.
-            room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, draft_max)
+            room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, k)
             drafts = list(draft(context, room))[:room] if draft is not None and room > 0 else []
             if not drafts:
                 token = target(self.decode(token), out)
@@ -389,6 +397,9 @@ class Engine:
                 token = target(block[len(drafts)], out + drafts)
             self.accept(count)
             accepted += count
+            # The draft length adapts: doubled after a block accepted whole, back to the
+            # floor after a rejection, so a run of wrong drafts costs short blocks only.
+            k = min(draft_max, 2 * k) if count == len(drafts) else k_floor
             if any(take(d) for d in drafts[:count]):
                 break
         t2 = time.perf_counter()

@@ -159,8 +159,10 @@ def test_trim_pending_refuses_once_the_commit_landed(model):
     prompt = repetitive(60)
     _, ref = plain(model, prompt, max_tokens=20)
     engine = Engine(model, window=WINDOW, prefix_chunk=CHUNK)
-    result = engine.generate(prompt, SamplingParams(max_tokens=20, stop_token_ids=(ref.token_ids[5],)),
-                             draft=echo_drafter(prompt, ref.token_ids), draft_max=8)
+    # The stop falls inside the second block (the first asks for 4 drafts, the second for 8).
+    params = SamplingParams(max_tokens=20, stop_token_ids=(ref.token_ids[6],))
+    result = engine.generate(prompt, params, draft=echo_drafter(prompt, ref.token_ids),
+                             draft_max=8)
     committed = len(prompt) + len(result.token_ids)
     assert engine.length > committed
     engine.settle()
