@@ -5,7 +5,9 @@ taken; the resident prefix decides when, and swaps them back in.
 - The pinned head: the old prompt's rows up to its longest pin line (every ``pin_every`` grid
   lines, up to ``pin_max`` of them) with those anchors, when a compaction replaces the prompt.
 - The parked session: the rows another session's request writes over, above the head both
-  share, with the newest anchors and, when the rows up to it fit, the end anchor.
+  share, with the newest anchors and, when the rows up to it fit, the end anchor. When a parked
+  conversation comes back, the leaving one is parked in its buffer if it fits, the rows swapped
+  in place block by block, so the machine never holds both copies at once.
 
 Pure logic over the adapter's copies (copies.py), no asyncio; every copy is reserved at its
 memory level before it is taken.
@@ -96,13 +98,25 @@ def take_pin(state: CacheState, token_ids: list[int], taint: int | None,
                   taint=taint if taint is not None and taint < head else None, nbytes=nbytes)
 
 
-def take_park(state: CacheState, token_ids: list[int], taint: int | None, head: int,
-              anchors: dict[int, SectionsCopy], end: End | None, memory: MemoryAccountant, *,
-              session: str | None, park_anchors: int) -> Parked | None:
-    """Park the rows above ``head`` with the newest ``park_anchors`` anchors, up to the end
-    anchor when the rows up to it fit the park budget (one anchor fewer then), else up to the
-    highest anchor that fits; None when nothing fits."""
-    budget = memory.room("park")
+SWAP_BLOCK = 256  # rows a park swap moves at a time: the swap's peak beyond both copies
+
+
+@dataclass(frozen=True)
+class ParkPlan:
+    stop: int  # rows [head, stop) are parked
+    anchors: list[int]
+    keep_end: bool
+    nbytes: int
+    reuse: bool  # in the buffer of the park coming back, swapped in place
+
+
+def plan_park(state: CacheState, head: int, anchors: dict[int, SectionsCopy], end: End | None,
+              budget: int, *, park_anchors: int, reuse: RowsCopy | None = None) -> ParkPlan | None:
+    """What a park of the rows above ``head`` keeps: the newest ``park_anchors`` anchors, up to
+    the end anchor when the rows up to it fit ``budget`` (one anchor fewer then), else up to
+    the highest anchor that fits; None when nothing fits. ``reuse``: the rows of a park coming
+    back; when the new rows fit its buffer (and the buffer fits the budget), the two are
+    swapped in place instead of copied, so the machine never holds both at once."""
     per_anchor = SectionsCopy.nbytes_of(state)
     above = sorted(line for line in anchors if line > head)
     end = end if end is not None and end.length > head else None
@@ -120,10 +134,40 @@ def take_park(state: CacheState, token_ids: list[int], taint: int | None, head: 
                 stop = above[-1]
                 break
             above.pop()
-    if stop is None or not memory.reserve("park", nbytes):
+    if stop is None:
         return None
-    return Parked(session=session, token_ids=list(token_ids[:stop]), head=head,
-                  rows=RowsCopy.take(state, head, stop),
-                  anchors={line: clone(anchors[line]) for line in kept if line <= stop},
-                  end=End(end.length, clone(end.copy)) if keep_end else None,
-                  taint=taint if taint is not None and taint < stop else None, nbytes=nbytes)
+    kept = [line for line in kept if line <= stop]
+    if reuse is not None and reuse.start == head and stop <= reuse.stop:
+        in_place = nbytes - RowsCopy.nbytes_of(state, stop - head) + reuse.nbytes
+        if in_place <= budget:
+            return ParkPlan(stop, kept, keep_end, in_place, reuse=True)
+    return ParkPlan(stop, kept, keep_end, nbytes, reuse=False)
+
+
+def swap_rows(state: CacheState, buffer: RowsCopy, start: int, stop: int) -> None:
+    """Exchange rows [start, stop) in place with ``buffer``'s, ``SWAP_BLOCK`` rows at a time."""
+    for a in range(start, stop, SWAP_BLOCK):
+        b = min(stop, a + SWAP_BLOCK)
+        for name, view in state.views.items():
+            rows = view.rows(a, b)
+            held = buffer.tensors[name].narrow(view.token_axis, a - buffer.start, b - a)
+            moving = rows.clone()
+            rows.copy_(held)
+            held.copy_(moving)
+
+
+def make_park(plan: ParkPlan, state: CacheState, token_ids: list[int], taint: int | None,
+              head: int, anchors: dict[int, SectionsCopy], end: End | None, *,
+              session: str | None, reuse: RowsCopy | None = None) -> Parked:
+    """The park ``plan`` chose, its room already reserved. With ``plan.reuse``, rows [head,
+    stop) are swapped with ``reuse``'s: the engine then holds the returning park's rows there."""
+    if plan.reuse:
+        swap_rows(state, reuse, head, plan.stop)
+        rows = RowsCopy(head, plan.stop, reuse.tensors)  # the whole buffer, as reserved
+    else:
+        rows = RowsCopy.take(state, head, plan.stop)
+    return Parked(session=session, token_ids=list(token_ids[:plan.stop]), head=head, rows=rows,
+                  anchors={line: clone(anchors[line]) for line in plan.anchors},
+                  end=End(end.length, clone(end.copy)) if plan.keep_end else None,
+                  taint=taint if taint is not None and taint < plan.stop else None,
+                  nbytes=plan.nbytes)

@@ -19,7 +19,8 @@ from typing import Protocol, Sequence
 import structlog
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
-from tandem.cache.keep import End, Parked, Pinned, clone, pin_lines, take_park, take_pin
+from tandem.cache.keep import (End, Parked, Pinned, clone, make_park, pin_lines, plan_park,
+                               take_pin)
 from tandem.cache.memory import MemoryAccountant
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
@@ -474,14 +475,25 @@ class ResidentPrefix:
         state = eng.cache_state()
         if self.parked is not None:
             self._drop_park()  # one parked session; a third one's park goes
-        parked = take_park(state, eng.token_ids, eng.taint, head, self.anchors, self.end,
-                           self.memory, session=self.session, park_anchors=self.park_anchors)
-        if parked is None:
-            return
+        self._park(state, head)
+
+    def _park(self, state: CacheState, head: int, reuse: RowsCopy | None = None) -> int:
+        """Park the rows above ``head``; with ``reuse`` (the rows of the park coming back) in
+        place when they fit its buffer. Returns the row up to which the rows in place were
+        swapped with ``reuse``'s (``head`` when they were not)."""
+        eng = self.engine
+        plan = plan_park(state, head, self.anchors, self.end, self.memory.room("park"),
+                         park_anchors=self.park_anchors, reuse=reuse)
+        if plan is None or not self.memory.reserve("park", plan.nbytes):
+            return head
+        parked = make_park(plan, state, eng.token_ids, eng.taint, head, self.anchors, self.end,
+                           session=self.session, reuse=reuse)
         self.parked = parked
         self.stats.parks += 1
         log.info("session_parked", head=head, rows=len(parked.token_ids) - head,
-                 anchors=len(parked.anchors), end=parked.end is not None, nbytes=parked.nbytes)
+                 anchors=len(parked.anchors), end=parked.end is not None, nbytes=parked.nbytes,
+                 in_place=plan.reuse)
+        return plan.stop if plan.reuse else head
 
     def _drop_park(self) -> None:
         if self.parked is not None:
@@ -498,9 +510,12 @@ class ResidentPrefix:
         park = self.parked
         self.parked = None
         self.memory.release("park", park.nbytes)
-        self._park_current(park.head)  # may refuse: then the rows in place are simply lost
         state = eng.cache_state()
-        park.rows.restore(state, park.head, point)
+        # The leaving conversation is parked in the returning one's buffer when it fits, the
+        # rows swapped block by block; else copied (or, with no room, simply lost).
+        swapped = self._park(state, park.head, reuse=park.rows)
+        if point > swapped:
+            park.rows.restore(state, swapped, point)
         self.anchors_drop_above(park.head)
         self.end = None
         source_end = park.end is not None and park.end.length == point

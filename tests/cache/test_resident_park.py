@@ -83,3 +83,29 @@ def test_a_compaction_drops_its_sessions_park(model):
     rig.turn(tokens(v, 420, 27), session="a")  # a's compaction replaces b: b is parked
     assert rig.resident.parked.session == "b"
     assert rig.resident.stats.parks == 2
+
+
+def test_a_swap_parks_the_leaving_conversation_in_the_returning_ones_buffer(model):
+    """When the leaving rows fit the returning park's buffer they are swapped in place (the
+    machine never holds both copies); greedy gate for both conversations after two swaps."""
+    v = model.vocab_size
+    _, a1, b1 = _two_sessions(model)  # B's rows are shorter than A's: they fit A's buffer
+    rig = Rig(model)
+    _, out_a1 = rig.turn(a1, session="a")
+    _, out_b1 = rig.turn(b1, session="b")
+    buffers = {k: t.data_ptr() for k, t in rig.resident.parked.rows.tensors.items()}
+    buffer_nbytes = rig.resident.parked.rows.nbytes
+    a2 = a1 + out_a1 + tokens(v, 40, 23)
+    resume, out_a2 = rig.turn(a2, session="a")
+    assert resume.source == "park"
+    parked = rig.resident.parked
+    assert parked.session == "b" and len(parked.token_ids) < len(a1) + len(out_a1)
+    assert {k: t.data_ptr() for k, t in parked.rows.tensors.items()} == buffers
+    # B's park is counted at A's whole buffer, which it holds (its rows are fewer).
+    assert parked.rows.nbytes == buffer_nbytes and rig.memory.held["park"] == parked.nbytes
+    b2 = b1 + out_b1 + tokens(v, 40, 24)
+    resume, out_b2 = rig.turn(b2, session="b")  # A2's rows are longer: copied, not swapped
+    assert resume.source == "park"
+    assert [out_a1, out_a2] == uninterrupted(model, [a1, a2])
+    assert [out_b1, out_b2] == uninterrupted(model, [b1, b2])
+    rig.resident.check_invariants()
