@@ -21,7 +21,6 @@ prompt of the replay, so that their sum is the number of distinct tokens the ses
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import statistics
 import time

@@ -4,7 +4,7 @@ they leave intact)."""
 import pytest
 import torch
 
-from resident_rig import CHUNK, Rig, assert_bit_exact, cold, tokens, uninterrupted
+from resident_rig import Rig, assert_bit_exact, cold, tokens, uninterrupted
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
 
