@@ -208,10 +208,9 @@ class EngineActor(Actor):
             resident["alignments"] = dict(ends.alignments) if ends is not None else {}
             resident["replays"] = ends.replays if ends is not None else 0
             resident["aligned_to_store"] = ends.stored if ends is not None else 0
-            tiers = {"resident": resident}
-            if self.store is not None:
-                tiers["store"] = self.store.statistics()
-            self.cache_stats = {"tiers": tiers}
+            # The store's counters are read where its actor runs (/v1/cache/stats), not asked
+            # for from here after every request.
+            self.cache_stats = {"tiers": {"resident": resident}}
 
     async def on_stop(self) -> None:
         for job in list(self._jobs.values()):

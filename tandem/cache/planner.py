@@ -99,13 +99,6 @@ class Planner:
             self.governor.after_prefill()
             self.governor.after_request()
 
-    def statistics(self) -> dict:
-        """The tiers' counters, as /v1/cache/stats lists them."""
-        tiers = {"resident": self.resident.statistics()}
-        if self.store is not None:
-            tiers["store"] = self.store.statistics()
-        return tiers
-
     def check_invariants(self) -> None:
         self.resident.check_invariants()
         if self.store is not None:
