@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 
 from tandem.config import ConfigError, add_config_flags, load_config
@@ -56,9 +57,14 @@ def _prompt_ids(args, loaded) -> list[int]:
     return loaded.tokenizer.encode(text)
 
 
+INDEX_WAIT_S = 0.5  # the longest generate waits for the suffix array before it starts
+
+
 def _open_suffix_store(config, loaded):
-    """The suffix store for a one-shot generation, indexed before it starts; None when it is
-    off, the checkpoint has no tokenizer, or the store is refused (said on stderr)."""
+    """The suffix store for a one-shot generation; None when it is off, the checkpoint has no
+    tokenizer, or the store is refused (said on stderr). Its suffix array is built on a thread
+    of its own (seconds for a big store; the sort releases the GIL) and swapped in when ready:
+    until then the drafter drafts from the prompt alone."""
     from tandem.cache.suffix import PersistentSuffixStore, SuffixStoreError
 
     spec = config.speculation
@@ -73,9 +79,14 @@ def _open_suffix_store(config, loaded):
         print(f"tandem generate: suffix store refused: {exc}", file=sys.stderr)
         return None
     if store.needs_rebuild:
-        t0 = time.perf_counter()
-        index = store.build_index()
-        store.swap(index, (time.perf_counter() - t0) * 1000)
+        def build() -> None:
+            t0 = time.perf_counter()
+            index = store.build_index()
+            store.swap(index, (time.perf_counter() - t0) * 1000)
+
+        thread = threading.Thread(target=build, name="tandem-suffix-index", daemon=True)
+        thread.start()
+        thread.join(timeout=INDEX_WAIT_S)  # a small store (1M tokens: 0.2 s) is ready at once
     return store
 
 

@@ -47,7 +47,13 @@ def test_tandem_generate_json_prints_one_object_with_its_timings(home):
         [sys.executable, "-m", "tandem", "generate", "--home", str(home), "--max-tokens", "6",
          "--prompt", "Name three colours.", "--json"],
         capture_output=True, text=True, timeout=120, check=True)
-    assert json.loads(again.stdout)["token_ids"] == doc["token_ids"]
+    second = json.loads(again.stdout)
+    assert second["token_ids"] == doc["token_ids"]
+    # The second drafted the first's answer from the suffix store under home (speculation is
+    # on by default), and the output is the same greedy tokens.
+    assert doc["speculation"]["mode"] == "lookup"
+    assert second["speculation"]["accepted"] == second["speculation"]["drafted"] > 0
+    assert (home / "suffix" / "tokens.u32").stat().st_size > 0
 
 
 def test_tandem_generate_names_a_bad_model_folder(home, tmp_path):
