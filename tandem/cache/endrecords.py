@@ -111,7 +111,8 @@ class EndRecords:
             previous = None
         self.record = EndRecord.after_turn(previous, served, in_rows,
                                            hidden_in_generated=hidden_in_generated)
-        self.recent.append(self.record)
+        if self.holds is not None:  # only a store's session snapshots are keyed by them
+            self.recent.append(self.record)
 
     def forget(self) -> None:
         """A failed forward: the rows in place are not trusted, nor what recorded them."""
