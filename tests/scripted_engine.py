@@ -24,10 +24,17 @@ class ScriptedEngine:
         self.threads: set[int] = {threading.get_ident()}  # built on the engine thread
         self.prompts: list[list[int]] = []
         self.running = threading.Event()  # set while generate runs
+        self.resets = 0
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
+
+    def reset(self) -> None:
+        """The rows are gone (after a failed request)."""
+        self.resets += 1
+        self.token_ids = []
+        self.taint = None
 
     def step(self, n: int = 1) -> None:
         """Let ``n`` more tokens out (gated engines)."""
