@@ -23,6 +23,7 @@ class ScriptedEngine:
         self.fail_with = fail_with
         self.threads: set[int] = {threading.get_ident()}  # built on the engine thread
         self.prompts: list[list[int]] = []
+        self.params: list[SamplingParams] = []  # of every generation, as the engine got them
         self.running = threading.Event()  # set while generate runs
         self.resets = 0
 
@@ -55,6 +56,7 @@ class ScriptedEngine:
                  on_chunk=None, force=None) -> GenerationResult:
         self.threads.add(threading.get_ident())
         self.prompts.append(list(prompt_ids))
+        self.params.append(params)
         self.running.set()
         try:
             if self.fail_with is not None:
