@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import torch
 
 from tandem.actors.engine_messages import (
     CancelGeneration,
@@ -102,8 +103,6 @@ def _fatal(exc: BaseException) -> bool:
       is poisoned and every later kernel fails; a device out of memory is not one of them
       (the allocator recovers, and the request is refused as no_memory).
     Anything else is one request's Python exception: that request fails, the engine goes on."""
-    import torch
-
     if not isinstance(exc, Exception) or isinstance(exc, (MemoryError, EngineBroken)):
         return True
     if isinstance(exc, torch.OutOfMemoryError):
@@ -172,6 +171,8 @@ class EngineActor(Actor):
         ``tokenizer`` gives the token bytes the end alignment compares and the reasoning
         budget's phrase (None: neither);
         ``queue_limit``: generations that may wait beyond the running one;
+        ``retry_after_s``: the Retry-After estimate's guess at one generation's duration until
+        some have finished (estimate_retry_after);
         ``speculation`` ("off" or "lookup") and ``draft_max``: the lookup drafter's verify
         blocks; ``suffix``: the suffix store actor the drafter reads and every finished
         generation is reported to (None: drafts come from the request's own tokens)."""
@@ -648,8 +649,6 @@ def _recover(cut_back: Callable[[], None]) -> None:
 
 
 def _device_oom(exc: BaseException) -> bool:
-    import torch
-
     return isinstance(exc, torch.OutOfMemoryError)
 
 

@@ -124,3 +124,28 @@ async def test_a_failed_forward_fails_its_request_and_the_next_is_served_from_so
     assert tokens == want_tokens
     assert all(torch.equal(sections[k], want_sections[k]) for k in want_sections)
     assert harness.supervisor.exception is None
+
+
+def test_an_anchor_whose_copy_a_failure_cut_short_is_dropped_and_the_rows_cut_below_it():
+    engine = Engine(ThirdModel(), window=WINDOW, prefix_chunk=CHUNK)
+    resident = _resident(engine)
+    prompt = PROMPT + MORE  # 70 tokens: anchors at 16, 32, 48, 64
+    resident.begin(prompt, 4)
+    engine.prefill(prompt, on_chunk=resident.on_chunk)
+    assert sorted(resident.anchors) == [16, 32, 48, 64]
+    anchor = resident.anchors[64]
+
+    def cut_short(state):
+        first = next(iter(anchor.tensors.values()))
+        first.fill_(float("nan"))  # part written, then the failure
+        raise RuntimeError("injected failure")
+    anchor.copy_from = cut_short  # the next take at 64 overwrites it in place
+    with pytest.raises(RuntimeError):
+        resident.on_chunk(64)
+    resident.abort()
+    assert sorted(resident.anchors) == [16, 32, 48] and engine.length == 48
+    resident.check_invariants()
+    # The rows resume from the anchor at 48 and give a cold prefill's state.
+    engine.prefill(prompt)
+    _, want = _cold(prompt, 1)
+    assert all(torch.equal(engine.cache_state().sections[k], want[k]) for k in want)
