@@ -10,6 +10,7 @@ Only the engine actor calls an Engine; it is synchronous and owns every buffer i
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -34,29 +35,45 @@ class ContextOverflow(ModelError):
 # streamed once), so a wrong draft of 4 costs nothing; 9 positions cost about two.
 DRAFT_FLOOR = 4
 
+# Under this temperature sampling is greedy (the argmax, no draw from the generator): logits / T
+# overflows float32 from about T = 1e-38, and long before that the distribution is the argmax's
+# but for logits closer than T (vLLM's floor is the same).
+TEMPERATURE_FLOOR = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 0.0  # 0 is greedy
+    temperature: float = 0.0  # under TEMPERATURE_FLOOR (0 included) is greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 keeps every token
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # OpenAI's penalties (-2..2) and logit_bias ((token id, -100..100) pairs), on the logits
+    # before sampling, greedy too; all zero: off (the logits are not touched).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if self.max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError("temperature must be finite and >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0 or not -100 <= bias <= 100:
+                raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < TEMPERATURE_FLOOR or self.top_k == 1
 
 
 @dataclass
@@ -104,7 +121,14 @@ def grid_chunks(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
 
 
 class Sampler:
-    """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator."""
+    """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator.
+
+    Safe for every SamplingParams: a temperature under the floor is greedy; the distribution is
+    computed in float64 (logits / T stays finite down to the floor); top-p keeps the most
+    probable token whatever top_p is; a distribution that is still not one (NaN logits from a
+    broken model) falls back to the argmax. A sampled position always takes exactly one draw
+    from the generator, the fallback too, so one odd position never shifts the seeded tokens
+    after it, with speculation on or off."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
@@ -120,20 +144,87 @@ class Sampler:
         return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution a sampled token is drawn from (temperature, top-k, top-p)."""
+        """The distribution a sampled token is drawn from (temperature, top-k, top-p): finite,
+        non-negative, with a positive sum (what multinomial requires)."""
         p = self.params
-        scores = logits.float() / p.temperature
+        scores = logits.double() / p.temperature
         if p.top_k:
             kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
-            # Keep the smallest head whose mass reaches top_p (the first token always stays).
+            # Keep the smallest head whose mass reaches top_p; the first token always stays
+            # (a top_p under float precision would otherwise drop it too).
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            drop[0] = False
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        # float32 for the draw, as before: the tail under its range becomes 0, the head stays.
+        probs = probs.float()
+        if not (bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0):
+            probs = torch.zeros_like(probs)
+            probs[int(torch.argmax(torch.nan_to_num(logits.float(), nan=-math.inf)))] = 1.0
         return probs
+
+
+class LogitsProcessors:
+    """OpenAI's presence and frequency penalties and logit_bias, on one position's logits
+    before the sampler (greedy or sampled). The penalties count the generated tokens only, as
+    OpenAI and vLLM define them: presence subtracts once for each token that appeared in the
+    output, frequency times the number of times it did; the prompt is never counted.
+
+    ``so_far`` is the output before the position, ``committed`` how many of its first tokens
+    are the generation's output (append-only, counted once, incrementally); the rest are a
+    verify block's drafts before the position, counted for that position only."""
+
+    def __init__(self, params: SamplingParams):
+        self.presence = params.presence_penalty
+        self.frequency = params.frequency_penalty
+        self.bias_pairs = params.logit_bias
+        self._bias: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
+        self._counted = 0
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> "LogitsProcessors | None":
+        """None when every processor is off: the logits are then never touched."""
+        if params.presence_penalty == 0 and params.frequency_penalty == 0 \
+                and not any(b for _, b in params.logit_bias):
+            return None
+        return cls(params)
+
+    def __call__(self, logits: torch.Tensor, so_far: Sequence[int],
+                 committed: int) -> torch.Tensor:
+        scores = logits.float().clone()
+        vocab = scores.shape[-1]
+        if self.bias_pairs:
+            if self._bias is None:
+                bad = [t for t, _ in self.bias_pairs if t >= vocab]
+                if bad:
+                    raise ModelError(f"logit_bias names token id {bad[0]}, outside the "
+                                     f"model's {vocab} logits")
+                bias = torch.zeros(vocab, dtype=torch.float32, device=scores.device)
+                for token_id, value in self.bias_pairs:
+                    bias[token_id] = value
+                self._bias = bias
+            scores += self._bias
+        if self.presence or self.frequency:
+            if self._counts is None:
+                self._counts = torch.zeros(vocab, dtype=torch.float32, device=scores.device)
+            if committed > self._counted:
+                self._add(self._counts, so_far[self._counted:committed])
+                self._counted = committed
+            counts = self._counts
+            if len(so_far) > committed:
+                counts = self._add(counts.clone(), so_far[committed:])
+            scores -= self.frequency * counts + self.presence * (counts > 0).float()
+        return scores
+
+    @staticmethod
+    def _add(counts: torch.Tensor, tokens: Sequence[int]) -> torch.Tensor:
+        idx = torch.as_tensor(list(tokens), dtype=torch.long, device=counts.device)
+        return counts.index_add_(0, idx, torch.ones(len(idx), device=counts.device))
 
 
 class Engine:
@@ -336,6 +427,7 @@ class Engine:
         logits = self.prefill(prompt_ids, on_chunk=on_chunk)
         t1 = time.perf_counter()
         sampler = Sampler(params)
+        processors = LogitsProcessors.for_params(params)
         out: list[int] = []
         context = list(prompt_ids)
         finish, stop_token = "length", None
@@ -362,9 +454,15 @@ class Engine:
             one token with certainty this is the speculative sampling rule (accepted with
             probability p(draft), otherwise a token from p without the draft, renormalised),
             drawn with one sample a position from the request's generator, in order: a seeded
-            request writes the same tokens with speculation on as off."""
+            request writes the same tokens with speculation on as off. The logits processors
+            see what precedes the position (the output, then the block's drafts before it),
+            as they would without speculation."""
             forced = force(so_far) if force is not None else None
-            return sampler(logits) if forced is None else forced
+            if forced is not None:
+                return forced
+            if processors is not None:
+                logits = processors(logits, so_far, len(out))
+            return sampler(logits)
 
         token = target(logits, out) if params.max_tokens > 0 else None
         k_floor = min(DRAFT_FLOOR, draft_max)

@@ -23,11 +23,19 @@ class ScriptedEngine:
         self.fail_with = fail_with
         self.threads: set[int] = {threading.get_ident()}  # built on the engine thread
         self.prompts: list[list[int]] = []
+        self.params: list[SamplingParams] = []  # of every generation, as the engine got them
         self.running = threading.Event()  # set while generate runs
+        self.resets = 0
 
     @property
     def length(self) -> int:
         return len(self.token_ids)
+
+    def reset(self) -> None:
+        """The rows are gone (after a failed request)."""
+        self.resets += 1
+        self.token_ids = []
+        self.taint = None
 
     def step(self, n: int = 1) -> None:
         """Let ``n`` more tokens out (gated engines)."""
@@ -48,6 +56,7 @@ class ScriptedEngine:
                  on_chunk=None, force=None) -> GenerationResult:
         self.threads.add(threading.get_ident())
         self.prompts.append(list(prompt_ids))
+        self.params.append(params)
         self.running.set()
         try:
             if self.fail_with is not None:

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import statistics
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
+import torch
 
 from tandem.actors.engine_messages import (
     CancelGeneration,
@@ -39,6 +41,7 @@ from tandem.actors.engine_messages import (
     GenerationAccepted,
     GenerationFailed,
     GenerationFinished,
+    GenerationParams,
     GenerationRejected,
     GenerationStarted,
     PrefillAdmitted,
@@ -64,9 +67,50 @@ from tandem.models.reasoning_budget import ReasoningBudget
 
 log = structlog.get_logger("tandem.engine")
 
+# Retry-After: the estimate is clamped to [1, 60] s (a client told 0 retries at once; past a
+# minute it is a guess), from the median of this many recent generations' durations.
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
+RECENT_DURATIONS = 32
+
 
 class CaptureLockMisuse(RuntimeError):
     """A release of the capture lock by someone who does not hold it: a protocol bug."""
+
+
+class EngineBroken(RuntimeError):
+    """After a failed request the engine's buffers could not be put back to a sound row: no
+    later request can trust them, so the system stops."""
+
+
+def estimate_retry_after(waiting: int, recent_s: Sequence[float],
+                         running_elapsed_s: float | None, default_s: float = 1.0) -> float:
+    """When a request refused now would find the engine free: the generations waiting, each
+    a typical one (the median of recent durations, which one long outlier does not move; none
+    yet: ``default_s``), plus what remains of the running one, clamped to
+    [RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S]."""
+    typical = statistics.median(recent_s) if recent_s else default_s
+    remaining = 0.0 if running_elapsed_s is None else max(typical - running_elapsed_s, 0.0)
+    return min(max(waiting * typical + remaining, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+
+
+def _fatal(exc: BaseException) -> bool:
+    """Whether an exception from one request's work stops the system. Only these do:
+    - not an Exception (KeyboardInterrupt, SystemExit): the process is being stopped;
+    - MemoryError: the host ran out of memory, and a half-built object anywhere in the process
+      (not only this request's) may be left behind; a supervisor restart is the safe answer;
+    - EngineBroken: the recovery itself failed, the buffers are not known to be sound;
+    - a CUDA error (torch.AcceleratorError, or a RuntimeError naming one): the device context
+      is poisoned and every later kernel fails; a device out of memory is not one of them
+      (the allocator recovers, and the request is refused as no_memory).
+    Anything else is one request's Python exception: that request fails, the engine goes on."""
+    if not isinstance(exc, Exception) or isinstance(exc, (MemoryError, EngineBroken)):
+        return True
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    accelerator = getattr(torch, "AcceleratorError", None)
+    if accelerator is not None and isinstance(exc, accelerator):
+        return True
+    return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
 class _Job:
@@ -76,15 +120,13 @@ class _Job:
     def __init__(self, msg: Generate, accepted_s: float) -> None:
         self.request_id = msg.request_id
         self.prompt_ids = msg.prompt_ids
-        p = msg.params
-        self.params = SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                                     top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                                     stop_token_ids=tuple(p.stop_token_ids))
+        p = self.generation_params = msg.params
         self.reply_to = msg.reply_to
         self.session = msg.session
         self.max_reasoning_tokens = p.max_reasoning_tokens
         self.forced_ids = p.forced_ids
         self.accepted_s = accepted_s
+        self.started_s: float | None = None
         self.cancel = threading.Event()
         self.phase = "waiting"  # waiting -> prefill -> decode
         self.generated = 0
@@ -129,6 +171,8 @@ class EngineActor(Actor):
         ``tokenizer`` gives the token bytes the end alignment compares and the reasoning
         budget's phrase (None: neither);
         ``queue_limit``: generations that may wait beyond the running one;
+        ``retry_after_s``: the Retry-After estimate's guess at one generation's duration until
+        some have finished (estimate_retry_after);
         ``speculation`` ("off" or "lookup") and ``draft_max``: the lookup drafter's verify
         blocks; ``suffix``: the suffix store actor the drafter reads and every finished
         generation is reported to (None: drafts come from the request's own tokens)."""
@@ -169,6 +213,7 @@ class EngineActor(Actor):
         self._draining = False
         self._drain_sinks: list[Any] = []
         self._fault: BaseException | None = None
+        self._durations: deque[float] = deque(maxlen=RECENT_DURATIONS)  # finished, seconds
         self.finished_total = 0
         self.failed_total = 0
 
@@ -239,6 +284,14 @@ class EngineActor(Actor):
     def busy(self) -> bool:
         return isinstance(self._holder, _Job)
 
+    def retry_after_estimate(self) -> float:
+        """Seconds a client refused now should wait (queue_full, draining, a slow ask)."""
+        job = self._holder if isinstance(self._holder, _Job) else None
+        elapsed = None
+        if job is not None and job.started_s is not None:
+            elapsed = self.clock.monotonic() - job.started_s
+        return estimate_retry_after(self.waiting, self._durations, elapsed, self.retry_after_s)
+
     def snapshot(self) -> dict:
         """The engine for the console (tandem.server.keys.ENGINE's contract)."""
         engine = self.engine
@@ -305,12 +358,12 @@ class EngineActor(Actor):
 
     def _accept(self, msg: Generate) -> GenerationAccepted | GenerationRejected:
         if self._draining:
-            return GenerationRejected(msg.request_id, "draining", self.retry_after_s)
+            return GenerationRejected(msg.request_id, "draining", self.retry_after_estimate())
         if msg.request_id in self._jobs:
             return GenerationRejected(msg.request_id, "duplicate", 0.0)
         ahead = self.waiting
         if ahead >= self.queue_limit:
-            return GenerationRejected(msg.request_id, "queue_full", self.retry_after_s)
+            return GenerationRejected(msg.request_id, "queue_full", self.retry_after_estimate())
         job = _Job(msg, self.clock.monotonic())
         self._jobs[job.request_id] = job
         self._fifo.append(job)
@@ -333,7 +386,8 @@ class EngineActor(Actor):
         for item in list(self._fifo):
             if isinstance(item, _Job):
                 self._fifo.remove(item)
-                self._fail(item, "draining", "the server is shutting down")
+                self._fail(item, "draining", "the server is shutting down",
+                           retry_after_s=self.retry_after_estimate())
                 dropped += 1
         running = 1 if self.busy else 0
         if first:
@@ -362,6 +416,7 @@ class EngineActor(Actor):
     def _start(self, job: _Job) -> None:
         assert self._loop is not None and self._executor is not None
         job.phase = "prefill"
+        job.started_s = self.clock.monotonic()
         queued_ms = (self.clock.monotonic() - job.accepted_s) * 1000.0
         self._emit(job.reply_to, GenerationStarted(job.request_id, len(job.prompt_ids), queued_ms),
                    job)
@@ -372,6 +427,7 @@ class EngineActor(Actor):
         """On the engine thread: the whole generation, tokens posted to the loop as they come."""
         assert self.engine is not None
         engine, resident = self.engine, self.resident
+        params = _sampling(job.generation_params)  # a bad value fails this request only
         budget = None
         if job.max_reasoning_tokens > 0 and self.tokenizer is not None:
             budget = ReasoningBudget.for_tokenizer(self.tokenizer, job.max_reasoning_tokens)
@@ -402,9 +458,14 @@ class EngineActor(Actor):
                 self.governor.before_prefill(len(job.prompt_ids))
             self._post(job, PrefillAdmitted(job.request_id))
             try:
-                result = engine.generate(job.prompt_ids, job.params, on_token=on_token,
+                result = engine.generate(job.prompt_ids, params, on_token=on_token,
                                          should_cancel=job.cancel.is_set, force=force,
                                          **speculate)
+            except BaseException:
+                # No copy exists to cut back to: the rows the request wrote (a forward may have
+                # stopped half way) must not be resumed over by the next prompt sharing them.
+                _recover(engine.reset)
+                raise
             finally:
                 if self.governor is not None:
                     self.governor.after_request()
@@ -416,36 +477,43 @@ class EngineActor(Actor):
         planner = self.planner
         parked_before = resident.parked
         try:
-            resume = planner.begin(served, job.params.max_tokens, job.session)
+            resume = planner.begin(served, params.max_tokens, job.session)
         except MemoryRefused:
             # Refused before anything moved in the engine (the request gets a 503); the
             # governor may have shed caches on the way, which the stats show.
             self._publish_cache_stats()
             raise
+        except BaseException:
+            self._abort(planner, ends)  # a restore may have stopped half way
+            raise
         self._post(job, PrefillAdmitted(job.request_id))
         try:
-            result = engine.generate(served, job.params, on_token=on_token,
+            result = engine.generate(served, params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,
                                      on_chunk=planner.on_chunk, force=force, **speculate)
-        except BaseException:
-            # The rows in place are not trusted after a failed forward; a guest's stash goes
-            # back, anything else starts again from token 0.
-            planner.abort()
             if ends is not None:
-                ends.forget()
-            self._publish_cache_stats()
+                ends.follow_park(parked_before, resume.source == "park")
+            planner.finish(served + result.token_ids, job.session)
+            planner.check_invariants()
+            if ends is not None and not resume.guest:
+                ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
+        except BaseException:
+            self._abort(planner, ends)
             raise
-        if ends is not None:
-            ends.follow_park(parked_before, resume.source == "park")
-        planner.finish(served + result.token_ids, job.session)
-        planner.check_invariants()
-        if ends is not None and not resume.guest:
-            ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
         self._publish_cache_stats()
         if alignment is not None and alignment.served is job.prompt_ids:
             alignment = None
         return _Outcome(result, resume.source, resume.guest, len(served) - resume.start,
                         alignment, budget)
+
+    def _abort(self, planner: Planner, ends: EndRecords | None) -> None:
+        """On the engine thread, after a failure: the rows in place are not trusted past the
+        last sound one; a guest's stash goes back, anything else is cut back to its highest
+        anchor (planner.abort), and no end record describes rows that are gone."""
+        _recover(planner.abort)
+        if ends is not None:
+            ends.forget()
+        self._publish_cache_stats()
 
     def _post(self, job: _Job, msg: Message) -> None:
         """From the engine thread to the loop."""
@@ -461,6 +529,8 @@ class EngineActor(Actor):
         self._running = None
         self._holder = None
         self._jobs.pop(job.request_id, None)
+        if job.started_s is not None and not fut.cancelled() and fut.exception() is None:
+            self._durations.append(self.clock.monotonic() - job.started_s)
         if fut.cancelled():
             self._fail(job, "stopped", "the engine stopped", forget=False)
         elif (exc := fut.exception()) is not None:
@@ -472,9 +542,9 @@ class EngineActor(Actor):
                            num_tokens=exc.num_tokens, window=exc.window)
             elif isinstance(exc, (ModelError, ValueError)):
                 self._fail(job, "model_error", str(exc), forget=False)
-            else:
-                log.error("engine_failed", request_id=job.request_id, error=type(exc).__name__,
-                          reason=str(exc), traceback="".join(traceback.format_exception(exc)))
+            elif _fatal(exc):
+                log.error("engine_fault", request_id=job.request_id, error=type(exc).__name__,
+                          traceback="".join(traceback.format_tb(exc.__traceback__)))
                 self._fail(job, "engine_error", f"internal engine error ({type(exc).__name__})",
                            forget=False)
                 self._fault = exc
@@ -482,6 +552,19 @@ class EngineActor(Actor):
                     self.try_tell(EngineFaulted(), sender=self)
                 except (MailboxFull, ActorStopped):
                     pass  # the next message raises the fault; a stopped actor needs no nudge
+            elif _device_oom(exc):
+                log.warning("engine_device_oom", request_id=job.request_id)
+                self._fail(job, "no_memory", "the device ran out of memory", forget=False,
+                           retry_after_s=self.retry_after_estimate())
+            else:
+                # One request's failure, the engine's buffers cut back to a sound row on its
+                # thread: that request fails, the next one runs. The frames name code only;
+                # an exception's message may quote the request, so it is never logged.
+                log.error("engine_request_failed", request_id=job.request_id,
+                          error=type(exc).__name__,
+                          traceback="".join(traceback.format_tb(exc.__traceback__)))
+                self._fail(job, "engine_error", f"internal engine error ({type(exc).__name__})",
+                           forget=False)
         else:
             outcome = fut.result()
             result = outcome.result
@@ -546,6 +629,27 @@ class EngineActor(Actor):
                         request_id=None if job is None else job.request_id)
             if job is not None:
                 job.cancel.set()
+
+
+def _sampling(p: GenerationParams) -> SamplingParams:
+    return SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p,
+                          top_k=p.top_k, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
+                          presence_penalty=p.presence_penalty,
+                          frequency_penalty=p.frequency_penalty,
+                          logit_bias=tuple(tuple(pair) for pair in p.logit_bias))
+
+
+def _recover(cut_back: Callable[[], None]) -> None:
+    """Run a recovery after a failure; a recovery that fails leaves buffers nobody can trust."""
+    try:
+        cut_back()
+    except BaseException as exc:
+        raise EngineBroken(f"the recovery after a failed request failed "
+                           f"({type(exc).__name__})") from exc
+
+
+def _device_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError)
 
 
 def _hidden(budget: ReasoningBudget | None, out: list[int]) -> list[int]:

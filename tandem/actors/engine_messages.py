@@ -33,6 +33,12 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # An admin's forced continuation (replay's forced mode): the engine writes these ids
     # first, then samples on.
     forced_ids: tuple[int, ...] = ()
+    # OpenAI's logits processors, before sampling (greedy too); zero and empty: off. The
+    # penalties count generated tokens only; logit_bias holds (token id, bias) pairs sorted by
+    # id with no zero bias, so equal requests carry equal params (the response cache's key).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
 # -- generation ------------------------------------------------------------------------------
@@ -132,7 +138,9 @@ class GenerationFailed(Message):
     engine dropped it before it started; ``cancelled``: cancelled while waiting;
     ``model_error``: the model refused the input; ``no_memory``: the memory governor could
     not fit the prefill's workspace under the peak (retry after ``retry_after_s``);
-    ``engine_error``: a bug (the system stops)."""
+    ``engine_error``: a bug met by this request's work (the engine cut its rows back to a
+    sound one and serves the next request; only a fault that leaves the process or the device
+    untrusted stops the system)."""
 
     request_id: str
     reason: Literal["context_overflow", "model_error", "draining", "stopped", "cancelled",
@@ -195,5 +203,6 @@ class ReleaseCaptureLock(Message):
 
 
 class EngineFaulted(Message):
-    """Sender: the engine actor to itself, when its thread raised something that is not a
-    model error; handling it re-raises that exception, so the supervisor stops the system."""
+    """Sender: the engine actor to itself, when its thread raised a fatal error (see
+    engine_actor._fatal); handling it re-raises that exception, so the supervisor stops the
+    system."""

@@ -114,6 +114,7 @@ class ResidentPrefix:
         self.stats = ResidentStats()
         self._guest_active = False
         self._guest_start = 0
+        self._writing: int | None = None  # the anchor a copy is being written into
 
     # -- the request's way -----------------------------------------------------------------
 
@@ -252,14 +253,28 @@ class ResidentPrefix:
             self.keep_end(committed_ids)
 
     def abort(self) -> None:
-        """A generation that failed mid-way: the rows in place are not trusted past line 0
-        unless a stash can put the resident rows back."""
+        """A generation that failed mid-way. The live state is not trusted (a forward may have
+        stopped part way through writing it), the copies are: a guest's stash puts the
+        resident rows back; otherwise the engine is cut back to its highest anchor (each was
+        taken after a chunk that completed; one a failure interrupted is dropped first), and
+        the anchors above it, the end and any stash go. Rows below the anchor were written by
+        forwards that completed, so that resume is the one a later request would have made."""
         if self._guest_active:
             self._restore_stash()
             return
-        self.anchors_drop_above(0)
+        if self._writing in self.anchors:
+            self._drop_anchor(self._writing)
+        self._writing = None
+        if self.stash is not None:
+            self.memory.release("stash", self.stash.nbytes)  # a guest that never began
+            self.stash = None
+        eng = self.engine
+        line = self._best_anchor(eng.length)
+        self.anchors_drop_above(line)
         self.end = None
-        self.engine.resume_at(0)
+        if line:
+            self.anchors[line].restore(eng.cache_state())
+        eng.resume_at(line)
 
     def keep_end(self, committed_ids: Sequence[int] | None = None) -> None:
         """The state at the last row forwarded, as the end anchor. A generation that stopped
@@ -350,7 +365,9 @@ class ResidentPrefix:
     def _take_anchor(self, line: int) -> None:
         state = self.engine.cache_state()
         if line in self.anchors:
+            self._writing = line  # a copy cut short is not the state at its line
             self.anchors[line].copy_from(state)
+            self._writing = None
             return
         nbytes = SectionsCopy.nbytes_of(state)
         while not self.memory.reserve("anchors", nbytes):

@@ -158,7 +158,7 @@ class Run:
             reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
         except TimeoutError:
             raise ApiError(503, "the engine is overloaded; retry later", code="overloaded",
-                           retry_after_s=1.0) from None
+                           retry_after_s=_retry_after(self.state)) from None
         except ActorStopped:
             raise ApiError(503, "the engine has stopped", code="engine_stopped") from None
         if isinstance(reply, GenerationRejected):
@@ -371,12 +371,20 @@ def _failure_error(msg: GenerationFailed) -> ApiError:
             return ApiError(400, msg.detail, code="invalid_prompt")
         case "draining" | "stopped":
             return ApiError(503, "the server is shutting down", code=msg.reason,
-                            retry_after_s=1.0)
+                            retry_after_s=msg.retry_after_s or 1.0)
         case "cancelled":
             return ApiError(503, "the request was cancelled", code="cancelled")
         case "no_memory":
             return ApiError(503, f"not enough memory for this prefill now: {msg.detail}",
                             code="no_memory", retry_after_s=msg.retry_after_s or 1.0)
         case _:
+            # engine_error: a bug met by this request (the engine went on); never bad input,
+            # which the routes and the engine answer 400 before it gets here.
             return ApiError(500, "internal engine error", type="server_error",
                             code="engine_error")
+
+
+def _retry_after(state: ServerState) -> float:
+    """The engine's estimate of when it has room (an engine without one: 1 s)."""
+    estimate = getattr(state.engine, "retry_after_estimate", None)
+    return estimate() if callable(estimate) else 1.0

@@ -113,6 +113,9 @@ def _params(req: _Sampling, state: ServerState, limit: int | None, room: int,
         max_reasoning_tokens=(req.max_reasoning_tokens if req.max_reasoning_tokens is not None
                               else state.config.server.max_reasoning_tokens),
         forced_ids=_forced_ids(req, state),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=req.logit_bias_pairs(state.tokenizer.vocab_size),
     )
 
 

@@ -1,7 +1,6 @@
 """Request bodies of the OpenAI routes as msgspec Structs, and their checks.
 
-Unknown fields are ignored (clients send many harmless ones: ``user``, ``metadata``, penalties
-at 0, ...); fields that would change the answer in a way tandem cannot honour are refused with a
+Unknown fields are ignored (clients send many harmless ones: ``user``, ``metadata``, ...); fields that would change the answer in a way tandem cannot honour are refused with a
 400 naming the parameter (``n`` > 1, ``logprobs``, a JSON ``response_format``, a forced
 ``tool_choice``, ``echo``, ``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
 """
@@ -19,6 +18,9 @@ from tandem.server.errors import ApiError, bad_request
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]  # OpenAI's presence / frequency range
+Bias = Annotated[float, Meta(ge=-100, le=100)]  # OpenAI's logit_bias range
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 TopK = Annotated[int, Meta(ge=-1)]  # -1 and 0: every token (vLLM spells "off" -1)
 MAX_STOP_STRINGS = 16
 
@@ -35,6 +37,10 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+    # Logits processors (tandem.engine.LogitsProcessors), on generated tokens; absent or 0: off
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     n: PositiveInt | None = None
@@ -53,6 +59,17 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
         return [s for s in stops if s]
+
+    def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs sorted by id, zero biases left out; a key that
+        is not a token id of the vocabulary is a 400."""
+        pairs: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
+                raise bad_request(f"logit_bias keys must be token ids in [0, {vocab_size}); "
+                                  f"got {key[:32]!r}", "logit_bias")
+            pairs[int(key)] = float(bias)
+        return tuple(sorted((t, b) for t, b in pairs.items() if b != 0))
 
     def check_common(self) -> None:
         if self.n is not None and self.n > 1:

@@ -8,7 +8,14 @@ import pytest
 
 from scripted_engine import ScriptedEngine
 from small_hybrid import make_small_hybrid
-from tandem.actors.engine_actor import CaptureLockMisuse, EngineActor
+from tandem.actors.engine_actor import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    CaptureLockMisuse,
+    EngineActor,
+    EngineBroken,
+    estimate_retry_after,
+)
 from tandem.actors.engine_messages import (
     CancelGeneration,
     CaptureLockGranted,
@@ -200,15 +207,96 @@ async def test_a_prompt_over_the_window_fails_with_both_counts():
         assert (await client.expect(GenerationFinished)).request_id == "ok"
 
 
-async def test_an_engine_bug_fails_the_request_and_stops_the_system():
-    harness, client, actor = system(ScriptedEngine(fail_with=RuntimeError("kaboom")),
-                                    check_failures=False)
+async def test_an_engine_bug_fails_that_request_only_and_the_rows_are_reset():
+    engine = ScriptedEngine([5, 6, 7])
+    harness, client, actor = system(engine)
+    async with harness:
+        await generate(harness, client, "r0", prompt=[1, 2, 3])
+        await client.expect(GenerationFinished)
+        engine.fail_with = RuntimeError("kaboom")
+        await generate(harness, client, "r1", prompt=[1, 2, 3, 5, 6, 7, 8])
+        failed = await client.expect(GenerationFailed)
+        assert (failed.request_id, failed.reason) == ("r1", "engine_error")
+        assert "kaboom" not in failed.detail
+        # No cache: the engine's own rows are what a half-written request leaves; they go.
+        assert engine.resets == 1 and engine.length == 0
+        engine.fail_with = None
+        await generate(harness, client, "r2", prompt=[1, 2, 3, 5, 6, 7, 8])
+        done = await client.expect(GenerationFinished)
+        assert done.request_id == "r2" and done.reused_tokens == 0
+        assert (actor.failed_total, actor.finished_total) == (1, 2)
+        actor.check_invariants()
+    assert harness.supervisor.exception is None
+
+
+@pytest.mark.parametrize("fatal", [MemoryError()])
+async def test_an_error_that_leaves_the_process_untrusted_stops_the_system(fatal):
+    harness, client, actor = system(ScriptedEngine(fail_with=fatal), check_failures=False)
     async with harness:
         await generate(harness, client, "r1")
         failed = await client.expect(GenerationFailed)
-        assert failed.reason == "engine_error" and "kaboom" not in failed.detail
+        assert failed.reason == "engine_error"
         await harness.until_stopped()
-    assert isinstance(harness.supervisor.exception, RuntimeError)
+    assert isinstance(harness.supervisor.exception, type(fatal))
+
+
+async def test_a_recovery_that_fails_stops_the_system():
+    engine = ScriptedEngine(fail_with=RuntimeError("kaboom"))
+
+    def broken_reset():
+        raise RuntimeError("cannot reset")
+    engine.reset = broken_reset
+    harness, client, actor = system(engine, check_failures=False)
+    async with harness:
+        await generate(harness, client, "r1")
+        assert (await client.expect(GenerationFailed)).reason == "engine_error"
+        await harness.until_stopped()
+    assert isinstance(harness.supervisor.exception, EngineBroken)
+
+
+async def test_params_the_engine_refuses_fail_that_request_as_a_model_error():
+    harness, client, actor = system(ScriptedEngine([5]))
+    async with harness:
+        await generate(harness, client, "bad", params=GenerationParams(max_tokens=4, top_p=0.0))
+        failed = await client.expect(GenerationFailed)
+        assert (failed.request_id, failed.reason) == ("bad", "model_error")
+        await generate(harness, client, "ok")
+        assert (await client.expect(GenerationFinished)).request_id == "ok"
+
+
+# -- Retry-After ------------------------------------------------------------------------------
+
+def test_retry_after_is_the_queue_times_the_median_plus_what_the_running_one_has_left():
+    recent = [2.0, 2.0, 3.0, 100.0, 2.0]  # one outlier does not move the median (2 s)
+    assert estimate_retry_after(3, recent, running_elapsed_s=0.5) == 3 * 2.0 + 1.5
+    assert estimate_retry_after(3, recent, running_elapsed_s=9.0) == 6.0  # overdue: 0 left
+    assert estimate_retry_after(0, [], None) == RETRY_AFTER_MIN_S
+    assert estimate_retry_after(0, [0.01], 0.0) == RETRY_AFTER_MIN_S
+    assert estimate_retry_after(500, recent, 0.0) == RETRY_AFTER_MAX_S
+    assert estimate_retry_after(2, [], None, default_s=4.0) == 8.0
+
+
+async def test_a_full_queue_answers_the_estimated_retry_after():
+    engine = ScriptedEngine([1], gated=True)
+    harness, client, actor = system(engine, queue_limit=2)
+    async with harness:
+        for i in range(3):  # three generations of 5 s each, on the fake clock
+            await generate(harness, client, f"past{i}")
+            await asyncio.to_thread(engine.running.wait, 5)
+            harness.clock.advance(5.0)
+            engine.step(1)
+            await client.expect(GenerationFinished)
+        await generate(harness, client, "running")
+        await asyncio.to_thread(engine.running.wait, 5)
+        harness.clock.advance(1.0)
+        await generate(harness, client, "w1")
+        await generate(harness, client, "w2")
+        reply = await generate(harness, client, "w3")
+        assert isinstance(reply, GenerationRejected) and reply.reason == "queue_full"
+        assert reply.retry_after_s == 2 * 5.0 + 4.0
+        engine.step(3)
+        for _ in range(3):
+            await client.expect(GenerationFinished)
 
 
 async def test_stopping_the_system_cancels_the_running_generation_and_fails_the_waiting():

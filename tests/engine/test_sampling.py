@@ -1,6 +1,12 @@
-"""Sampled decoding: the same seed gives the same tokens; stop tokens and stop callbacks."""
+"""Sampled decoding: the same seed gives the same tokens; stop tokens and stop callbacks; every
+value the request schema accepts samples safely; penalties and logit_bias."""
 
-from tandem.engine import Engine, SamplingParams
+import math
+
+import pytest
+import torch
+
+from tandem.engine import TEMPERATURE_FLOOR, Engine, LogitsProcessors, Sampler, SamplingParams
 from tandem.models.third import ThirdModel
 
 PROMPT = [5, 17, 3, 88, 41, 2, 9]
@@ -49,3 +55,79 @@ def test_a_forced_token_replaces_the_sampled_one_and_is_forwarded():
                   force=lambda out: forced[len(out)] if len(out) < 3 else None)
     assert result.token_ids[:3] == forced
     assert result.token_ids != greedy
+
+
+# -- every value the schema accepts samples safely (issue 11, finding 1) ----------------------
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 1e-40, 5e-324])
+def test_a_temperature_under_the_floor_samples_greedily(temperature):
+    greedy = _run(SamplingParams(max_tokens=20)).token_ids
+    assert temperature < TEMPERATURE_FLOOR
+    sampled = _run(SamplingParams(max_tokens=20, temperature=temperature, seed=4))
+    assert sampled.token_ids == greedy
+
+
+@pytest.mark.parametrize("top_p", [1e-45, 1e-46, 5e-324])
+def test_top_p_keeps_the_most_probable_token_however_small_it_is(top_p):
+    greedy = _run(SamplingParams(max_tokens=20)).token_ids
+    for temperature in (TEMPERATURE_FLOOR, 1.0, 2.0):
+        params = SamplingParams(max_tokens=20, temperature=temperature, top_p=top_p, seed=4)
+        assert _run(params).token_ids == greedy
+
+
+@pytest.mark.parametrize("logits", [[0.0, math.inf, 1.0], [math.nan, 2.0, 1.0],
+                                    [-math.inf, 3.0, -math.inf], [1e38, 3e38, -3e38]])
+def test_logits_that_give_no_distribution_fall_back_to_the_argmax_with_one_draw(logits):
+    """No NaN or inf ever reaches multinomial; the fallback takes the draw a sampled position
+    takes, so the seeded tokens after it are what they would be."""
+    params = SamplingParams(temperature=TEMPERATURE_FLOOR, seed=9)
+    odd, plain = Sampler(params), Sampler(params)
+    probs = odd.probs(torch.tensor(logits))
+    assert bool(torch.isfinite(probs).all()) and float(probs.sum()) > 0
+    assert odd(torch.tensor(logits)) == 1
+    plain(torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(odd.generator.get_state(), plain.generator.get_state())
+
+
+# -- penalties and logit_bias (issue 11, finding 9) -------------------------------------------
+
+def test_the_penalties_count_the_output_and_the_drafts_before_the_position():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
+    proc = LogitsProcessors.for_params(params)
+    logits = torch.zeros(8)
+    # Output [3, 3], then a verify block's draft 5 before this position.
+    got = proc(logits, [3, 3, 5], committed=2)
+    assert got[3] == -(0.5 + 2 * 0.25) and got[5] == -(0.5 + 0.25)
+    assert torch.count_nonzero(got) == 2
+    # The draft was rejected: the next position sees the output only.
+    got = proc(logits, [3, 3], committed=2)
+    assert got[5] == 0 and got[3] == -1.0
+    assert torch.equal(logits, torch.zeros(8))  # the model's logits are never written
+
+
+def test_zero_penalties_and_zero_biases_are_off_and_give_the_same_tokens():
+    off = SamplingParams(max_tokens=30, temperature=0.9, seed=3, presence_penalty=0.0,
+                         frequency_penalty=0.0, logit_bias=((7, 0.0),))
+    assert LogitsProcessors.for_params(off) is None
+    absent = SamplingParams(max_tokens=30, temperature=0.9, seed=3)
+    assert _run(off).token_ids == _run(absent).token_ids
+
+
+def test_a_logit_bias_of_100_makes_greedy_write_that_token_and_minus_100_bans_one():
+    assert _run(SamplingParams(max_tokens=10, logit_bias=((42, 100.0),))).token_ids == [42] * 10
+    greedy = _run(SamplingParams(max_tokens=20)).token_ids
+    banned = _run(SamplingParams(max_tokens=20, logit_bias=((greedy[0], -100.0),))).token_ids
+    assert greedy[0] not in banned
+    sampled = _run(SamplingParams(max_tokens=10, temperature=1.0, seed=1,
+                                  logit_bias=((42, 100.0),))).token_ids
+    assert sampled == [42] * 10
+
+
+def test_a_presence_penalty_makes_the_output_repeat_less():
+    def repeats(tokens):
+        return len(tokens) - len(set(tokens))
+    greedy = _run(SamplingParams(max_tokens=30)).token_ids
+    penalised = _run(SamplingParams(max_tokens=30, presence_penalty=2.0)).token_ids
+    assert repeats(penalised) < repeats(greedy)
+    frequent = _run(SamplingParams(max_tokens=30, frequency_penalty=2.0)).token_ids
+    assert repeats(frequent) < repeats(greedy)

@@ -197,6 +197,25 @@ def test_a_seeded_sampled_run_writes_the_same_tokens_with_speculation_as_without
     assert echo.token_ids == want.token_ids and echo.accepted == echo.drafted > 0
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9, "seed": 11}])
+@pytest.mark.parametrize("drafter", ["lookup", "echo", "echo_wrong"])
+def test_penalties_and_logit_bias_give_the_same_tokens_with_speculation_as_without(
+        model, sampling, drafter):
+    """In a verify block the processors at position i see the output and the drafts before
+    it, as the position would without speculation."""
+    prompt = repetitive(60)
+    params = SamplingParams(max_tokens=40, presence_penalty=0.7, frequency_penalty=0.4,
+                            logit_bias=((3, 2.0), (14, -1.5)), **sampling)
+    want = Engine(model, window=WINDOW, prefix_chunk=CHUNK).generate(prompt, params)
+    draft = {"lookup": lookup_drafter, "echo": echo_drafter(prompt, want.token_ids),
+             "echo_wrong": echo_drafter(prompt, want.token_ids, corrupt_every=2)}[drafter]
+    got = Engine(model, window=WINDOW, prefix_chunk=CHUNK).generate(prompt, params, draft=draft,
+                                                                    draft_max=4)
+    assert got.token_ids == want.token_ids
+    if drafter == "echo":
+        assert got.accepted == got.drafted > 0
+
+
 def _exact_joint(model, prompt, vocab):
     """P(t1, t2 | prompt) from the target's own logits, every pair."""
     engine = Engine(model, window=64, prefix_chunk=16)
