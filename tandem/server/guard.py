@@ -8,10 +8,12 @@ to a server on localhost):
   addresses), or a name in ``allowed_hosts`` ('*': any). Another name is 421: a DNS-rebound page
   sends its own domain. The port is not compared (a forwarded port changes it; the name is what
   rebinding controls). A request without Host (HTTP/1.0) passes: browsers always send one.
-- a POST whose ``Origin`` is present and is not the origin the client addressed (the scheme and
-  the Host header's name and port) is 403: a page elsewhere posting across origins.
+- a POST whose ``Origin`` is present and is not this server's own is 403: a page elsewhere
+  posting across origins. Own: http(s), a name the Host check accepts (localhost for a page
+  served as 127.0.0.1 too), and the port the client addressed (another port is another app).
 - a POST whose Content-Type is not application/json is 415: a page may send text/plain or a form
-  to any origin without asking, never JSON.
+  to any origin without asking, never JSON. So is a Content-Encoding aiohttp does not decode (a
+  body that does not match one it decodes is the route's 400).
 
 ``api_key``: when set, /v1/* needs ``Authorization: Bearer <api_key>`` (401, code
 invalid_api_key, as OpenAI answers); the admin token is accepted too, so one client can carry
@@ -43,6 +45,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+DECODED_ENCODINGS = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})  # aiohttp's
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 # Why the current request may not change state (None: it may). Set by the middleware for each
@@ -183,9 +186,14 @@ class Guard:
             raise refused  # "null" (a sandboxed frame, a file), or not an origin at all
         default = _DEFAULT_PORTS[scheme]
         if host is not None:
-            if (name, port or default) != (host[0], host[1] or default):
-                raise refused
-        elif not self.any_host and name not in self._own_names(request):
+            addressed = host[1] or default
+        else:
+            sockname = request.transport.get_extra_info("sockname") if request.transport else None
+            addressed = sockname[1] if isinstance(sockname, tuple) else default
+        # The server's own page, by any of its names, on the port the client addressed (another
+        # port of this machine is another web app).
+        if (port or default) != addressed or not (
+                self.any_host or name in self._own_names(request)):
             raise refused
 
     def check_api_key(self, request: web.Request) -> None:
@@ -239,6 +247,11 @@ class Guard:
             if request.content_type != "application/json":
                 raise ApiError(415, "the body must be JSON (Content-Type: application/json)",
                                code="unsupported_media_type")
+            encoding = request.headers.get("Content-Encoding", "").strip().lower()
+            if encoding not in DECODED_ENCODINGS:
+                # aiohttp would hand such a body over as it came, undecoded.
+                raise ApiError(415, "the Content-Encoding must be one of gzip, deflate, br, zstd",
+                               code="unsupported_content_encoding")
         self.check_api_key(request)
         denial = self.admin_denial(request)
         if denial is not None and getattr(request.match_info.handler, "__tandem_admin__",
