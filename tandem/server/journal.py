@@ -1,10 +1,10 @@
 """The journal: one JSON row per request, appended to a JSONL file under ``home``.
 
 A row holds counts, timings, a hashed session and a status, never user text: the row type
-below is the whole list of what may be written. The file is 0600 (an older, wider one is
-narrowed on open), its folder 0700 when the journal makes it. The last rows are also kept in memory for the
+below is the whole list of what may be written. The last rows are also kept in memory for the
 console (``tail``). Later issues append cache events to the same file (``kind`` tells them
-apart).
+apart). The file is 0600 (an older, wider one is narrowed on open), its folder 0700 when the
+journal makes it.
 """
 
 from __future__ import annotations
