@@ -76,6 +76,25 @@ class ServerConfig(_Section):
     record_dir: Annotated[str, Meta(description=(
         "Folder where sessions are recorded for replay, relative to home unless absolute; "
         "empty: recording off."))] = ""
+    admin_token: Annotated[str, Meta(description=(
+        "Bearer token of the routes that change the server's state (POST /v1/memory/limits, "
+        "the request field tandem_forced_output): they need 'Authorization: Bearer <token>'. "
+        "Empty: they answer loopback clients only."))] = ""
+    api_key: Annotated[str, Meta(description=(
+        "When set, every /v1/* route needs 'Authorization: Bearer <api_key>', as the OpenAI "
+        "clients send it (the admin token is accepted too); /health and /metrics stay open."
+        ))] = ""
+    allowed_hosts: Annotated[str, Meta(description=(
+        "Host names, comma-separated, a request's Host header may name besides localhost, "
+        "127.0.0.1, [::1], the bound address and the local address the client connected to "
+        "(another gets 421, against DNS rebinding); '*' allows any."))] = ""
+    header_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "Seconds a connection has to send a request's headers, from its opening or from the "
+        "end of the previous response, before it is closed."))] = 10.0
+    max_connections: Annotated[int, Meta(ge=1, description=(
+        "Open connections at most; at the cap a new one closes the connection that has waited "
+        "longest for its headers, and is refused (503) only when every one is mid-request."
+        ))] = 1024
 
 
 class EngineConfig(_Section):

@@ -22,6 +22,7 @@ from tandem.logs import configure_logging
 from tandem.models import load_model
 from tandem.models.base import ModelError
 from tandem.server.app import DRAIN_TIMEOUT_S, build_app, drain
+from tandem.server.connections import GuardedRunner
 from tandem.server.state import STATE
 
 log = structlog.get_logger("tandem.serve")
@@ -54,7 +55,8 @@ async def serve(config: Config, loaded, *, engine: Actor | None = None,
     stop = stop if stop is not None else asyncio.Event()
     app = build_app(config, loaded, engine=engine)
     state = app[STATE]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    # Header deadline and connection cap (tandem/server/connections.py).
+    runner = GuardedRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()  # starts the actors
     signals = 0

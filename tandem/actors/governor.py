@@ -15,15 +15,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor
 from tandem.cache.governor import MemoryGovernor, MemoryLimits
+
+log = structlog.get_logger("tandem.governor")
 
 
 class SetMemoryLimits(Message):
     """Sender: the server (POST /v1/memory/limits). Receiver: the governor, which replaces the
     limits whole and replies `MemoryReport`; a value left None keeps its limit. A set that
-    breaks 0 <= slack < ceiling <= peak changes nothing: the reply carries the error."""
+    breaks 0 <= slack < ceiling <= peak <= the machine's memory, or holds anything but finite
+    numbers, changes nothing: the reply carries the error."""
 
     mem_ceiling_gib: float | None = None
     mem_peak_gib: float | None = None
@@ -58,9 +63,13 @@ class GovernorActor(Actor):
                     ("reserve_slack_gib", msg.reserve_slack_gib))}
                 try:
                     limits = MemoryLimits.gib(wanted["mem_ceiling_gib"], wanted["mem_peak_gib"],
-                                              wanted["reserve_slack_gib"])
+                                              wanted["reserve_slack_gib"],
+                                              total_nbytes=self.core.allocator.total_nbytes())
                 except ValueError as e:
                     return MemoryReport(self.report(), error=str(e))
+                except Exception as e:  # whatever an edit holds, it never stops this actor
+                    log.warning("memory_limits_refused", error=type(e).__name__)
+                    return MemoryReport(self.report(), error="the limits are not valid")
                 self.core.set_limits(limits)
                 return MemoryReport(self.report())
             case GetMemoryReport():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -50,6 +51,26 @@ class MemoryRefused(Exception):
         self.retry_after_s = retry_after_s
 
 
+MAX_NBYTES = 1 << 60  # no machine holds an exbibyte; under it every limit is exact as a float
+
+
+def gib_nbytes(name: str, value: object) -> int:
+    """``value`` GiB as bytes; a ValueError naming ``name`` unless it is a finite number >= 0
+    under MAX_NBYTES (a bool, a string, NaN, inf, 1e308 or a 401-digit integer is refused
+    here, before any arithmetic can overflow)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number of GiB")
+    try:
+        gib = float(value)
+    except OverflowError:
+        raise ValueError(f"{name} is larger than any machine") from None
+    if not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"{name} must be a finite number of GiB >= 0")
+    if gib * GiB > MAX_NBYTES:
+        raise ValueError(f"{name} is larger than any machine")
+    return int(gib * GiB)
+
+
 @dataclass(frozen=True)
 class MemoryLimits:
     ceiling_nbytes: int
@@ -57,23 +78,47 @@ class MemoryLimits:
     slack_nbytes: int
 
     def __post_init__(self):
-        if not 0 <= self.slack_nbytes < self.ceiling_nbytes <= self.peak_nbytes:
+        for name in ("ceiling_nbytes", "peak_nbytes", "slack_nbytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"memory limit {name} must be an int, not {value!r}")
+        if not 0 <= self.slack_nbytes < self.ceiling_nbytes <= self.peak_nbytes <= MAX_NBYTES:
             raise ValueError("memory limits need 0 <= slack < ceiling <= peak "
                              f"(slack {self.slack_nbytes}, ceiling {self.ceiling_nbytes}, "
                              f"peak {self.peak_nbytes})")
 
     @classmethod
-    def gib(cls, ceiling: float, peak: float, slack: float) -> "MemoryLimits":
-        return cls(int(ceiling * GiB), int(peak * GiB), int(slack * GiB))
+    def gib(cls, ceiling: float, peak: float, slack: float, *,
+            total_nbytes: int | None = None) -> "MemoryLimits":
+        """The limits in GiB, each checked (``gib_nbytes``); with ``total_nbytes`` (the
+        machine's memory as its allocator reports it) the peak must fit in the machine."""
+        limits = cls(gib_nbytes("mem_ceiling_gib", ceiling), gib_nbytes("mem_peak_gib", peak),
+                     gib_nbytes("reserve_slack_gib", slack))
+        if total_nbytes is not None and limits.peak_nbytes > total_nbytes:
+            raise ValueError(f"mem_peak_gib {limits.peak_nbytes / GiB:.2f} is over the "
+                             f"machine's {total_nbytes / GiB:.2f} GiB")
+        return limits
 
     @classmethod
     def resolve(cls, ceiling_gib: float, peak_gib: float, slack_gib: float,
                 total_nbytes: int) -> "MemoryLimits":
         """The configured limits; a 0 takes the spec's share of the machine's memory (70, 77
-        and 2 of 128 GB)."""
-        ceiling = int(ceiling_gib * GiB) if ceiling_gib else int(total_nbytes * 70 / 128)
-        peak = int(peak_gib * GiB) if peak_gib else max(ceiling, int(total_nbytes * 77 / 128))
-        slack = int(slack_gib * GiB) if slack_gib else min(2 * GiB, ceiling // 16)
+        and 2 of 128 GB). A configured limit over the machine is held to the machine (logged):
+        what no machine can hold never binds anyway."""
+        def configured(name: str, value: float) -> int:
+            nbytes = gib_nbytes(name, value)
+            if nbytes > total_nbytes:
+                log.warning("memory_limit_over_machine", limit=name, gib=value,
+                            machine_gib=round(total_nbytes / GiB, 2))
+                return total_nbytes
+            return nbytes
+
+        ceiling = (configured("mem_ceiling_gib", ceiling_gib) if ceiling_gib
+                   else int(total_nbytes * 70 / 128))
+        peak = (configured("mem_peak_gib", peak_gib) if peak_gib
+                else max(ceiling, int(total_nbytes * 77 / 128)))
+        slack = (configured("reserve_slack_gib", slack_gib) if slack_gib
+                 else min(2 * GiB, ceiling // 16))
         return cls(ceiling, peak, slack)
 
     def to_gib(self) -> dict:
@@ -340,6 +385,7 @@ class MemoryGovernor:
                              "peak": self._limits.peak_nbytes,
                              "slack": self._limits.slack_nbytes},
             "held_bytes": reading.held_nbytes, "reserve_bytes": reading.reserve_nbytes,
+            "machine_bytes": self.allocator.total_nbytes(),
             "levels": self.level_nbytes(), "levels_order": list(LEVELS),
             "shed_total": dict(s.shed_total), "shed_bytes": dict(s.shed_nbytes),
             "refused_growth": dict(s.refused_growth), "refusals": s.refusals,

@@ -35,6 +35,11 @@ class Recorder:
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # mkdir's mode holds only for a folder it makes: one that was there keeps its own.
+        os.chmod(self.folder, 0o700)
+        for old in self.folder.glob("*.jsonl"):
+            if old.is_file() and not old.is_symlink():
+                os.chmod(old, 0o600)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.path = self.folder / f"{stamp}-{os.getpid()}.jsonl"
         self.rows_written = 0
@@ -44,8 +49,13 @@ class Recorder:
         # One open a row: a row is one request (at most a few hundred KB of body), and a file
         # that is never held open needs no closing at shutdown. O_APPEND keeps rows whole.
         line = _encoder.encode(row) + b"\n"
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
         try:
+            # A row torn by a kill mid write (or a file left by a killed server of the same pid
+            # and second) is never glued to the next: that one starts on a fresh line.
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line
             os.write(fd, line)
         finally:
             os.close(fd)

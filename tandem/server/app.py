@@ -30,6 +30,7 @@ from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
 from tandem.server.errors import error_middleware
+from tandem.server.guard import guard_middleware
 from tandem.server.journal import Journal
 from tandem.server.keys import (
     CACHE_STATS,
@@ -44,6 +45,7 @@ from tandem.server.keys import (
 from tandem.server.memory_routes import add_memory, add_memory_routes
 from tandem.server.metrics import CONTENT_TYPE, Metrics
 from tandem.server.openai_routes import add_openai_routes
+from tandem.server.sessions import load_secret, secret_middleware
 from tandem.server.state import STATE, SamplingDefaults, ServerState
 
 log = structlog.get_logger("tandem.server")
@@ -114,8 +116,10 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     if governor is not None:
         add_memory(app_metrics=metrics, governor=governor)
 
+    # error_middleware outermost: a guard's refusal is answered in the OpenAI format too.
     app = web.Application(client_max_size=config.server.max_body_bytes,
-                          middlewares=[error_middleware])
+                          middlewares=[error_middleware, guard_middleware(config.server),
+                                       secret_middleware(load_secret(config.home_path()))])
     app[STATE] = state
     app[SUPERVISOR] = supervisor
     app[ENGINE] = engine

@@ -20,6 +20,7 @@ log = structlog.get_logger("tandem.server")
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     408: "timeout_error",

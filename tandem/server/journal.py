@@ -3,13 +3,16 @@
 A row holds counts, timings, a hashed session and a status, never user text: the row type
 below is the whole list of what may be written. The last rows are also kept in memory for the
 console (``tail``). Later issues append cache events to the same file (``kind`` tells them
-apart).
+apart). The file is 0600 (an older, wider one is narrowed on open), its folder 0700 when the
+journal makes it.
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -55,8 +58,7 @@ class Journal:
         # than a hop to a thread. No fsync: a lost last row on a crash is acceptable.
         line = self._encoder.encode(row) + b"\n"
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "ab")
+            self._file = open_append(self.path)
         self._file.write(line)
         self._file.flush()
         self._rows.append(msgspec.to_builtins(row))
@@ -73,3 +75,31 @@ class Journal:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def open_append(path: Path) -> BinaryIO:
+    """``path`` opened to append rows: made 0600 (with its folder 0700) when missing, narrowed to
+    0600 when it exists, and ending on a newline, so that a row torn by a crash (kill -9 mid
+    write) is never glued to the next one."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+        file = os.fdopen(fd, "ab+")
+    except BaseException:
+        os.close(fd)
+        raise
+    end_newline(file)
+    return file
+
+
+def end_newline(file: BinaryIO) -> None:
+    """Write a newline when the file's last byte is not one (O_APPEND writes at the end)."""
+    size = os.fstat(file.fileno()).st_size
+    if size == 0:
+        return
+    file.seek(size - 1)
+    if file.read(1) != b"\n":
+        file.write(b"\n")
+        file.flush()

@@ -3,8 +3,9 @@ three limits live) and its two metric families on /metrics.
 
     POST /v1/memory/limits {"mem_ceiling_gib": 60, "mem_peak_gib": 70, "reserve_slack_gib": 2}
 
-Any subset of the three keys; the rest keep their values. A set that breaks
-0 <= slack < ceiling <= peak is a 400 and changes nothing. The edit goes to the governor actor,
+Any subset of the three keys; the rest keep their values. A value that is not a finite number of
+GiB >= 0, or a set that breaks 0 <= slack < ceiling <= peak <= the machine's memory, is a 400 and
+changes nothing. An admin route (tandem/server/guard.py). The edit goes to the governor actor,
 which swaps the limits whole; the engine thread holds to them from its next reserve or prefill.
 """
 
@@ -17,7 +18,9 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.actors.governor import GetMemoryReport, MemoryReport, SetMemoryLimits
+from tandem.cache.governor import gib_nbytes
 from tandem.server.errors import ApiError, bad_request
+from tandem.server.guard import admin_route
 from tandem.server.keys import SUPERVISOR
 
 LIMIT_KEYS = ("mem_ceiling_gib", "mem_peak_gib", "reserve_slack_gib")
@@ -76,19 +79,24 @@ async def memory_report(request: web.Request) -> web.Response:
     return web.json_response(reply.report)
 
 
+@admin_route
 async def set_memory_limits(request: web.Request) -> web.Response:
     governor = _governor(request)
     try:
         body = msgspec.json.decode(await request.read())
     except msgspec.DecodeError as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except web.RequestPayloadError:
+        raise ApiError(400, "the body could not be read (does it match its Content-Encoding?)",
+                       code="invalid_body", close=True) from None
     if not isinstance(body, dict) or not set(body) <= set(LIMIT_KEYS) or not body:
         raise bad_request(f"the body must be an object with some of {list(LIMIT_KEYS)}",
                           code="invalid_limits")
     for key, value in body.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise bad_request(f"{key} must be a number of GiB >= 0", param=key,
-                              code="invalid_limits")
+        try:
+            gib_nbytes(key, value)  # the governor checks the set again, and against the machine
+        except ValueError as e:
+            raise bad_request(str(e), param=key, code="invalid_limits") from None
     reply: MemoryReport = await governor.ask(SetMemoryLimits(**body), 5.0, sender="server")
     if reply.error is not None:
         raise bad_request(reply.error, code="invalid_limits")

@@ -26,6 +26,7 @@ from tandem.models.chat import (
 )
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
+from tandem.server.guard import require_admin
 from tandem.server.journal import RequestRow
 from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling, decode_body
 from tandem.server.sessions import session_key
@@ -90,6 +91,11 @@ async def read_json(request: web.Request, state: ServerState) -> dict[str, Any]:
     except TimeoutError:
         raise ApiError(408, "the request was not received in time", code="request_timeout",
                        close=True) from None
+    except web.RequestPayloadError:
+        # aiohttp decodes a Content-Encoding as it reads: a body that does not match it
+        # (gzip over plain bytes) fails here.
+        raise ApiError(400, "the body could not be read (does it match its Content-Encoding?)",
+                       code="invalid_body", close=True) from None
     try:
         body = msgspec.json.decode(b"".join(chunks))
     except msgspec.DecodeError as e:
@@ -126,6 +132,7 @@ def _forced_ids(req: _Sampling, state: ServerState) -> tuple[int, ...]:
         raise ApiError(403, "tandem_forced_output is an admin field; this server does not allow "
                        "it (allow_forced_output)", param="tandem_forced_output",
                        type="permission_error", code="forced_output_not_allowed")
+    require_admin()  # the admin token, or a loopback client when none is set
     tok = state.tokenizer
     return tuple(tok.encode(req.tandem_forced_output)) + (tok.special_ids["<|im_end|>"],)
 

@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestServer
 from small_hybrid import make_small_hybrid
 from tandem.config import Config, EngineConfig, ServerConfig
 from tandem.models import load_model
+from tandem.server.connections import GuardedRunner
 
 
 @pytest.fixture(scope="session")
@@ -32,11 +33,18 @@ def make_config(tmp_path):
     return make
 
 
+class GuardedTestServer(TestServer):
+    """aiohttp's TestServer through tandem's connection guard, as under `tandem serve`."""
+
+    async def _make_runner(self, **kwargs):
+        return GuardedRunner(self.app, **kwargs)
+
+
 @contextlib.asynccontextmanager
 async def running(app):
     """The app on 127.0.0.1 with its actors started; handlers are cancelled when a client
     leaves, as under `tandem serve`."""
-    server = TestServer(app, host="127.0.0.1", handler_cancellation=True)
+    server = GuardedTestServer(app, host="127.0.0.1", handler_cancellation=True)
     await server.start_server()
     try:
         yield server

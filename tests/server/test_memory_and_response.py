@@ -5,6 +5,7 @@ identical greedy request answered from memory; a sampled one and any changed par
 import aiohttp
 import pytest
 
+from tandem.cache.governor import CpuAllocator
 from tandem.cache.response import CachedResponse, ResponseCache
 from tandem.actors.engine_messages import GenerationParams
 from tandem.config import CacheConfig, Config, EngineConfig, MemoryConfig
@@ -43,11 +44,13 @@ async def test_a_prefill_that_cannot_fit_gets_503_then_runs_once_the_limits_are_
             assert resp.status == 503
         async with http.post(url + "/v1/memory/limits", json={"mem_ceiling_gib": 0.5}) as resp:
             assert resp.status == 400  # over the peak: refused, nothing changed
+        machine_gib = CpuAllocator().total_nbytes() / GiB  # an edit must fit in the machine
         async with http.post(url + "/v1/memory/limits", json={
-                "mem_ceiling_gib": 1000, "mem_peak_gib": 1100, "reserve_slack_gib": 1}) as resp:
+                "mem_ceiling_gib": machine_gib * 0.9, "mem_peak_gib": machine_gib,
+                "reserve_slack_gib": 0.25}) as resp:
             assert resp.status == 200
             report = await resp.json()
-            assert report["limits"]["mem_peak_gib"] == 1100
+            assert report["limits"]["mem_peak_gib"] == machine_gib
             assert report["refusals"] == 3
         async with http.post(url + "/v1/completions", json=body) as resp:
             assert resp.status == 200

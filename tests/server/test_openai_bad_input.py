@@ -29,6 +29,7 @@ async def until(predicate, timeout_s=5.0):
 
 
 async def post(server, path, data=None, *, json=None, headers=None):
+    headers = {"Content-Type": "application/json", **(headers or {})}  # the guard wants JSON
     async with aiohttp.ClientSession() as http:
         async with http.post(f"http://127.0.0.1:{server.port}{path}", data=data, json=json,
                              headers=headers) as r:
@@ -151,7 +152,7 @@ async def test_a_client_that_sends_its_body_too_slowly_is_cut_off(small_loaded, 
     app, _ = scripted(small_loaded, make_config(request_read_timeout_s=0.3))
     async with serve(app) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mo")
         await writer.drain()
         async with asyncio.timeout(5):

@@ -126,17 +126,18 @@ async def test_the_journal_gets_one_row_per_request_without_user_text(server, sd
     with pytest.raises(Exception):
         await client.chat.completions.create(model="nope", messages=[
             {"role": "user", "content": secret}], extra_headers={"x-session-id": "abc"})
-    from tandem.server.keys import JOURNAL
-    from tandem.server.sessions import hash_session
+    from tandem.server.keys import CONFIG, JOURNAL
+    from tandem.server.sessions import hash_session, load_secret
 
     journal = server.app[JOURNAL]
     rows = journal.tail(10)
     assert [r["status"] for r in rows] == [200, 404]
     ok = rows[0]
-    assert ok["session"] == hash_session("conv-42") and len(ok["session"]) == 16
+    key = load_secret(server.app[CONFIG].home_path())  # the home's: joinable across restarts
+    assert ok["session"] == hash_session("conv-42", key) and len(ok["session"]) == 16
     assert ok["completion_tokens"] == 3 and ok["cache_source"] == "cold"
     assert ok["ttft_ms"] > 0 and ok["route"] == "chat" and ok["finish_reason"] == "length"
-    assert rows[1]["session"] == hash_session("abc")
+    assert rows[1]["session"] == hash_session("abc", key)
     text = journal.path.read_text()
     assert secret not in text and "conv-42" not in text
     assert [json.loads(line)["request_id"] for line in text.splitlines()] == \
