@@ -119,10 +119,10 @@ class ResidentPrefix:
         self.stash: _Stash | None = None
         self.session: str | None = None  # of the rows in place
         self.namespace: Namespace = SHARED  # of the rows in place, their anchors, end and stash
+        self._guest_namespace: Namespace = SHARED  # of the guest's rows while one runs
         self.stats = ResidentStats()
         self._guest_active = False
         self._guest_start = 0
-        self._guest_namespace: Namespace = SHARED
 
     # -- the request's way -----------------------------------------------------------------
 
