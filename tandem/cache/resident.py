@@ -485,6 +485,9 @@ class ResidentPrefix:
             self._park_current(self._best_anchor(c))
         # Rows both prompts share stay; the rest of the head is copied back.
         shared = min(self._shared_rows(pin.token_ids, namespace), line)
+        # Set before the first write: a restore that fails half way leaves no copy of one
+        # namespace's rows under another's name (abort cuts back to its anchors).
+        self.namespace = namespace
         self.anchors_drop_above(shared)
         self.end = None
         pin.rows.restore(state, shared, line)
@@ -495,7 +498,6 @@ class ResidentPrefix:
             if shared < at <= line and self.memory.reserve("anchors", copy.nbytes):
                 self.anchors[at] = clone(copy)
         self.session = session
-        self.namespace = namespace
         self.stats.pin_hits += 1
         return Resume(line, "pin")
 
@@ -552,6 +554,7 @@ class ResidentPrefix:
         # The leaving conversation is parked in the returning one's buffer when it fits, the
         # rows swapped block by block; else copied (or, with no room, simply lost).
         swapped = self._park(state, park.head, reuse=park.rows)
+        self.namespace = namespace  # the park's (it offers itself to its own only), as for a pin
         if point > swapped:
             park.rows.restore(state, swapped, point)
         self.anchors_drop_above(park.head)
@@ -571,7 +574,6 @@ class ResidentPrefix:
             if self._end_buffer is not None:
                 self.end = End(point, self._end_buffer)
         self.session = park.session if session is None else session
-        self.namespace = namespace  # the park's: it offers itself to its own namespace only
         self.stats.park_hits += 1
         return Resume(point, "park")
 
