@@ -166,6 +166,10 @@ class CacheConfig(_Section):
         ))] = False
     response_cache_mb: Annotated[float, Meta(ge=0, description=(
         "Budget of the response cache, MiB."))] = 64.0
+    require_cache_salt: Annotated[bool, Meta(description=(
+        "Refuse (400) a generation request without a cache_salt. Requests with different "
+        "salts share no cached state and no suffix store drafts; requests without one share "
+        "one namespace, so a server for several tenants should require it."))] = False
 
 
 class SpeculationConfig(_Section):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tandem.cache.memory import MemoryAccountant
+from tandem.cache.namespace import SHARED
 from tandem.cache.resident import ResidentPrefix, Resume
 from tandem.engine import Engine, SamplingParams
 
@@ -31,17 +32,17 @@ class Rig:
         self.resident = ResidentPrefix(self.engine, self.memory)
 
     def prefill(self, prompt: list[int], session: str | None = None,
-                max_tokens: int = 16) -> tuple[Resume, torch.Tensor]:
+                max_tokens: int = 16, namespace: str = SHARED) -> tuple[Resume, torch.Tensor]:
         """begin, prefill, keep the end: the logits of the last prompt position."""
-        resume = self.resident.begin(prompt, max_tokens, session)
+        resume = self.resident.begin(prompt, max_tokens, session, namespace)
         logits = self.engine.prefill(prompt, on_chunk=self.resident.on_chunk)
         self.resident.finish()
         self.resident.check_invariants()
         return resume, logits
 
     def turn(self, prompt: list[int], session: str | None = None,
-             max_tokens: int = 16) -> tuple[Resume, list[int]]:
-        resume = self.resident.begin(prompt, max_tokens, session)
+             max_tokens: int = 16, namespace: str = SHARED) -> tuple[Resume, list[int]]:
+        resume = self.resident.begin(prompt, max_tokens, session, namespace)
         result = self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens),
                                       on_chunk=self.resident.on_chunk)
         self.resident.finish()

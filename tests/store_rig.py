@@ -7,6 +7,7 @@ import torch
 
 from resident_rig import CHUNK, budgets
 from tandem.cache.memory import MemoryAccountant
+from tandem.cache.namespace import SHARED
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix, Resume
 from tandem.cache.store import StateStore, StoreCore, token_hash
@@ -33,22 +34,25 @@ class StoreRig:
         self.planner = Planner(self.resident, self.store, governor)
 
     def prefill(self, prompt: list[int], session: str | None = None,
-                keep_session: bool = False) -> tuple[Resume, torch.Tensor]:
+                keep_session: bool = False,
+                namespace: str = SHARED) -> tuple[Resume, torch.Tensor]:
         """A prefill alone; its state is kept as a session snapshot only when asked."""
-        resume = self.planner.begin(prompt, 16, session)
+        resume = self.planner.begin(prompt, 16, session, namespace)
         logits = self.engine.prefill(prompt, on_chunk=self.planner.on_chunk)
-        self.planner.finish(self.engine.token_ids if keep_session else None, session)
+        self.planner.finish(self.engine.token_ids if keep_session else None, session,
+                            namespace)
         self.planner.check_invariants()
         return resume, logits
 
     def turn(self, prompt: list[int], session: str | None = None,
-             max_tokens: int = 16, **generate) -> tuple[Resume, list[int]]:
+             max_tokens: int = 16, namespace: str = SHARED,
+             **generate) -> tuple[Resume, list[int]]:
         """One turn; ``generate`` passes a drafter (draft, draft_max) and stop tokens."""
         stops = tuple(generate.pop("stop_token_ids", ()))
-        resume = self.planner.begin(prompt, max_tokens, session)
+        resume = self.planner.begin(prompt, max_tokens, session, namespace)
         result = self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
                                                              stop_token_ids=stops),
                                       on_chunk=self.planner.on_chunk, **generate)
-        self.planner.finish(list(prompt) + result.token_ids, session)
+        self.planner.finish(list(prompt) + result.token_ids, session, namespace)
         self.planner.check_invariants()
         return resume, result.token_ids

@@ -58,6 +58,7 @@ from tandem.cache.governor import MemoryGovernor, MemoryRefused
 from tandem.cache.endalign import Alignment
 from tandem.cache.endrecords import EndRecords
 from tandem.cache.memory import MemoryAccountant
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix
 from tandem.cache.store import StateStore
@@ -123,6 +124,7 @@ class _Job:
         p = self.generation_params = msg.params
         self.reply_to = msg.reply_to
         self.session = msg.session
+        self.namespace = Namespace(msg.namespace)
         self.max_reasoning_tokens = p.max_reasoning_tokens
         self.forced_ids = p.forced_ids
         self.accepted_s = accepted_s
@@ -203,6 +205,8 @@ class EngineActor(Actor):
         self.drafted_total = 0
         self.accepted_total = 0
         self.engine: Engine | None = None
+        # The namespace of the rows in place when no resident prefix keeps it (caches off).
+        self._rows_namespace: Namespace = SHARED
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fifo: deque[_Job | _Outside] = deque()
@@ -441,8 +445,10 @@ class EngineActor(Actor):
         speculate = {}
         if self.speculation == "lookup":
             # The drafter indexes the prompt at its first proposal, after the first token: a
-            # 32k prompt's index (tens of ms) never delays the time to first token.
-            store = self.suffix.store if self.suffix is not None else None
+            # 32k prompt's index (tens of ms) never delays the time to first token. A salted
+            # request drafts from its own tokens only: the store holds every tenant's text.
+            store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
+                     else None)
             speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
 
         def on_token(token_id: int) -> bool:
@@ -457,6 +463,9 @@ class EngineActor(Actor):
             if self.governor is not None:
                 self.governor.before_prefill(len(job.prompt_ids))
             self._post(job, PrefillAdmitted(job.request_id))
+            if job.namespace != self._rows_namespace:
+                engine.reset()  # another namespace's rows: the engine must not extend them
+            self._rows_namespace = job.namespace
             try:
                 result = engine.generate(job.prompt_ids, params, on_token=on_token,
                                          should_cancel=job.cancel.is_set, force=force,
@@ -472,12 +481,12 @@ class EngineActor(Actor):
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
                             len(job.prompt_ids) - result.reused_tokens, None, budget)
         ends = self.ends
-        alignment = ends.align(job.prompt_ids) if ends is not None else None
+        alignment = ends.align(job.prompt_ids, job.namespace) if ends is not None else None
         served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
         try:
-            resume = planner.begin(served, params.max_tokens, job.session)
+            resume = planner.begin(served, params.max_tokens, job.session, job.namespace)
         except MemoryRefused:
             # Refused before anything moved in the engine (the request gets a 503); the
             # governor may have shed caches on the way, which the stats show.
@@ -493,7 +502,7 @@ class EngineActor(Actor):
                                      on_chunk=planner.on_chunk, force=force, **speculate)
             if ends is not None:
                 ends.follow_park(parked_before, resume.source == "park")
-            planner.finish(served + result.token_ids, job.session)
+            planner.finish(served + result.token_ids, job.session, job.namespace)
             planner.check_invariants()
             if ends is not None and not resume.guest:
                 ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
@@ -597,8 +606,8 @@ class EngineActor(Actor):
         """The client's prompt and the visible output go to the suffix store; hidden tokens
         (the budget's phrase) and rows the alignment put back never do (spec)."""
         suffix = self.suffix
-        if suffix is None or suffix.store is None:
-            return
+        if suffix is None or suffix.store is None or job.namespace != SHARED:
+            return  # a salted request's text is never drafted for anyone else
         out = outcome.result.token_ids
         if outcome.budget is not None:
             out = outcome.budget.visible(out)

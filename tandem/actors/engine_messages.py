@@ -54,6 +54,10 @@ class Generate(Message):
     params: GenerationParams
     reply_to: Any = None  # the sink of this request's events
     session: str | None = None  # the hashed session key, for the console
+    # The cache namespace (tandem.cache.namespace: the digest of the request's cache_salt, ""
+    # for none): only copies of the same namespace serve it, and it never writes the suffix
+    # store unless it is the shared one.
+    namespace: str = ""
 
 
 class GenerationAccepted(Message):

@@ -23,6 +23,7 @@ import structlog
 
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.store import StoreCore, StoreEntry
 
 log = structlog.get_logger("tandem.store")
@@ -33,9 +34,11 @@ ASK_TIMEOUT_S = 30.0
 class StoreOffer(Message):
     """Sender: the engine thread, before a prefill. Receiver: the store; replies
     `StoreOffered` with the longest entry that starts the prompt, lent until `StoreRelease`
-    (a prompt with none is counted as a miss there: one ask, not two)."""
+    (a prompt with none is counted as a miss there: one ask, not two). Only entries of the
+    request's ``namespace`` are offered."""
 
     prompt_ids: list[int]
+    namespace: str = SHARED  # tandem.cache.namespace: a digest, never the client's salt
 
 
 class StoreOffered(Message):
@@ -57,6 +60,7 @@ class StoreHolds(Message):
     rows of a stored session). Replies `StoreHeld`."""
 
     key_ids: list[int]
+    namespace: str = SHARED
 
 
 class StoreHeld(Message):
@@ -70,6 +74,7 @@ class StoreAdmit(Message):
     key_ids: list[int]
     kind: str  # "prefix" or "session"
     nbytes: int
+    namespace: str = SHARED
 
 
 class StoreAdmitted(Message):
@@ -142,14 +147,15 @@ class StoreActor(Actor):
         core = self.core
         match msg:
             case StoreOffer():
-                start, entry = core.offer(msg.prompt_ids)
+                start, entry = core.offer(msg.prompt_ids, Namespace(msg.namespace))
                 return StoreOffered(start, entry)
             case StoreRelease():
                 core.release(msg.entry, msg.hit)
             case StoreHolds():
-                return StoreHeld(core.holds(msg.key_ids))
+                return StoreHeld(core.holds(msg.key_ids, Namespace(msg.namespace)))
             case StoreAdmit():
-                return StoreAdmitted(core.admit(msg.key_ids, msg.kind, msg.nbytes))
+                return StoreAdmitted(core.admit(msg.key_ids, msg.kind, msg.nbytes,
+                                                Namespace(msg.namespace)))
             case StoreInsert():
                 core.insert(msg.entry)
             case StoreCancel():
@@ -189,19 +195,21 @@ class StoreActorPort:
                         error=type(e).__name__)
             return None
 
-    def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]:
-        reply = self._ask(StoreOffer(list(prompt_ids)))
+    def offer(self, prompt_ids: list[int],
+              namespace: Namespace = SHARED) -> tuple[int, StoreEntry | None]:
+        reply = self._ask(StoreOffer(list(prompt_ids), namespace))
         return (reply.start, reply.entry) if reply is not None else (0, None)
 
     def release(self, entry: StoreEntry, hit: bool) -> None:
         self._ask(StoreRelease(entry, hit))
 
-    def holds(self, key_ids: list[int]) -> bool:
-        reply = self._ask(StoreHolds(list(key_ids)))
+    def holds(self, key_ids: list[int], namespace: Namespace = SHARED) -> bool:
+        reply = self._ask(StoreHolds(list(key_ids), namespace))
         return reply is not None and reply.held
 
-    def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str:
-        reply = self._ask(StoreAdmit(list(key_ids), kind, nbytes))
+    def admit(self, key_ids: list[int], kind: str, nbytes: int,
+              namespace: Namespace = SHARED) -> str:
+        reply = self._ask(StoreAdmit(list(key_ids), kind, nbytes, namespace))
         return reply.verdict if reply is not None else "refused"
 
     def insert(self, entry: StoreEntry) -> None:

@@ -6,6 +6,11 @@ holds what the rows there are: their tokens, where each generation sits and the 
 client's copy lacks. The record in place follows the end in place, and a parked conversation's
 record follows the parked end, so a copy of either conversation aligns to its end. Engine thread
 only, like the resident prefix whose ends it follows.
+
+A record is the namespace's of the rows it describes (tandem/cache/namespace.py): the record in
+place the rows in place's, the parked record the park's, each recent one the turn's. A copy is
+aligned only with its own namespace's records: another's would serve a tenant the rows (the
+answers, the hidden spans) of another.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from tandem.cache.endalign import Alignment, EndRecord, align
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import ResidentPrefix
 
 
@@ -23,36 +29,39 @@ RECENT = 8  # records of the last turns kept for the state store's session snaps
 class EndRecords:
     def __init__(self, resident: ResidentPrefix, token_bytes: Callable[[int], bytes | None], *,
                  allow_reasoning: bool = True,
-                 holds: Callable[[list[int]], bool] | None = None) -> None:
-        """``holds(rows)``: whether the state store holds a session snapshot of exactly these
-        rows (None: no store). A client's copy that aligns with a recent turn's record is
+                 holds: Callable[[list[int], Namespace], bool] | None = None) -> None:
+        """``holds(rows, namespace)``: whether the state store holds a session snapshot of
+        exactly these rows in that namespace (None: no store). A client's copy that aligns with a recent turn's record is
         served as that record's rows only when it does, so the store resumes it there."""
         self.resident = resident
         self.token_bytes = token_bytes
         self.allow_reasoning = allow_reasoning
         self.holds = holds
         self.record: EndRecord | None = None  # of the end in place
+        self._record_namespace: Namespace = SHARED  # of the rows ``record`` was made over
         self.parked_record: EndRecord | None = None  # of the parked end
         # The last turns' records, newest last: their rows are what a session snapshot of
         # that turn is keyed by, once the end in place and the park have moved on.
-        self.recent: deque[EndRecord] = deque(maxlen=RECENT)
+        self.recent: deque[tuple[Namespace, EndRecord]] = deque(maxlen=RECENT)
         self.alignments: dict[str, int] = {}  # how copies met an end, by mode
         self.replays = 0  # turns whose copy lacked hidden spans that were put back
         self.stored = 0  # copies aligned with a stored session's rows
 
-    def align(self, prompt: list[int]) -> Alignment | None:
+    def align(self, prompt: list[int], namespace: Namespace = SHARED) -> Alignment | None:
         """The client's copy met against the end in place (or, failing that, the parked
-        conversation's end): the prompt to serve so that the engine resumes there (hidden spans
-        put back, re-tokenised text and stripped reasoning aligned), or None to serve the copy
-        as it came."""
+        conversation's end), of the request's ``namespace``: the prompt to serve so that the
+        engine resumes there (hidden spans put back, re-tokenised text and stripped reasoning
+        aligned), or None to serve the copy as it came."""
         resident = self.resident
         candidates = []
         if resident.end is not None and self.record is not None \
-                and resident.end.length == len(self.record.rows):
+                and resident.end.length == len(self.record.rows) \
+                and resident.namespace == namespace:
             candidates.append(self.record)
         parked = resident.parked
         if parked is not None and parked.end is not None and self.parked_record is not None \
-                and parked.end.length == len(self.parked_record.rows):
+                and parked.end.length == len(self.parked_record.rows) \
+                and parked.namespace == namespace:
             candidates.append(self.parked_record)
         for record in candidates:
             alignment = self._align(record, prompt)
@@ -62,11 +71,11 @@ class EndRecords:
             return None
         # Then the recent turns whose ends have gone (a third conversation took the park):
         # their session snapshots may still be in the store.
-        for record in reversed(self.recent):
-            if any(record is tried for tried in candidates):
+        for record_namespace, record in reversed(self.recent):
+            if record_namespace != namespace or any(record is tried for tried in candidates):
                 continue
             alignment = self._align(record, prompt)
-            if alignment is not None and self.holds(record.rows):
+            if alignment is not None and self.holds(record.rows, namespace):
                 self.stored += 1
                 return self._count(alignment)
         return None  # nothing aligns, or nothing new to forward: serve the copy as it came
@@ -92,6 +101,7 @@ class EndRecords:
         leaving = self.record
         if swapped_in:
             self.record = self.parked_record
+            self._record_namespace = self.resident.namespace  # the park's, now in place
         if parked is not None and parked.end is not None and leaving is not None \
                 and len(leaving.rows) == parked.end.length:
             self.parked_record = leaving
@@ -107,12 +117,14 @@ class EndRecords:
             return
         in_rows = list(generated[:engine.length - len(served)])
         previous = self.record
-        if previous is not None and engine.token_ids[:len(previous.rows)] != previous.rows:
+        if previous is not None and (engine.token_ids[:len(previous.rows)] != previous.rows
+                                     or self._record_namespace != resident.namespace):
             previous = None
         self.record = EndRecord.after_turn(previous, served, in_rows,
                                            hidden_in_generated=hidden_in_generated)
+        self._record_namespace = resident.namespace
         if self.holds is not None:  # only a store's session snapshots are keyed by them
-            self.recent.append(self.record)
+            self.recent.append((resident.namespace, self.record))
 
     def forget(self) -> None:
         """A failed forward: the rows in place are not trusted, nor what recorded them."""

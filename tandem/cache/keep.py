@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.memory import MemoryAccountant
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
 
@@ -37,6 +38,7 @@ class Pinned:
     anchors: dict[int, SectionsCopy]
     taint: int | None
     nbytes: int
+    namespace: Namespace = SHARED  # of the rows it was pinned from
 
     def offer(self, prompt: Sequence[int], limit: int) -> int:
         """The longest pinned anchor the prompt reaches, or 0."""
@@ -54,6 +56,7 @@ class Parked:
     end: End | None
     taint: int | None
     nbytes: int
+    namespace: Namespace = SHARED  # of the parked rows (the head's too: it was in place)
 
     def offer(self, rows_in_place: Sequence[int], prompt: Sequence[int], limit: int) -> int:
         """Where the prompt resumes from the park (its end, else its longest anchor), or 0
@@ -79,7 +82,7 @@ def pin_lines(anchors: dict[int, SectionsCopy], *, chunk: int, pin_every: int,
 
 def take_pin(state: CacheState, token_ids: list[int], taint: int | None,
              anchors: dict[int, SectionsCopy], memory: MemoryAccountant, *, chunk: int,
-             pin_every: int, pin_max: int) -> Pinned | None:
+             pin_every: int, pin_max: int, namespace: Namespace = SHARED) -> Pinned | None:
     """Pin the head up to the longest pin line whose rows and anchors fit the pin budget, or
     None when none does (or nothing is anchored on a pin line)."""
     keepers = pin_lines(anchors, chunk=chunk, pin_every=pin_every, pin_max=pin_max)
@@ -95,7 +98,8 @@ def take_pin(state: CacheState, token_ids: list[int], taint: int | None,
         return None
     return Pinned(token_ids=list(token_ids[:head]), rows=RowsCopy.take(state, 0, head),
                   anchors={line: clone(anchors[line]) for line in keepers},
-                  taint=taint if taint is not None and taint < head else None, nbytes=nbytes)
+                  taint=taint if taint is not None and taint < head else None, nbytes=nbytes,
+                  namespace=namespace)
 
 
 SWAP_BLOCK = 256  # rows a park swap moves at a time: the swap's peak beyond both copies
@@ -158,7 +162,8 @@ def swap_rows(state: CacheState, buffer: RowsCopy, start: int, stop: int) -> Non
 
 def make_park(plan: ParkPlan, state: CacheState, token_ids: list[int], taint: int | None,
               head: int, anchors: dict[int, SectionsCopy], end: End | None, *,
-              session: str | None, reuse: RowsCopy | None = None) -> Parked:
+              session: str | None, reuse: RowsCopy | None = None,
+              namespace: Namespace = SHARED) -> Parked:
     """The park ``plan`` chose, its room already reserved. With ``plan.reuse``, rows [head,
     stop) are swapped with ``reuse``'s: the engine then holds the returning park's rows there."""
     if plan.reuse:
@@ -170,4 +175,4 @@ def make_park(plan: ParkPlan, state: CacheState, token_ids: list[int], taint: in
                   anchors={line: clone(anchors[line]) for line in plan.anchors},
                   end=End(end.length, clone(end.copy)) if plan.keep_end else None,
                   taint=taint if taint is not None and taint < plan.stop else None,
-                  nbytes=plan.nbytes)
+                  nbytes=plan.nbytes, namespace=namespace)

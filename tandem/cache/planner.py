@@ -10,6 +10,10 @@ resident prefix's offer (anchors, the pinned head, the parked session, the end a
 choice), then a state store entry. A guest's request never takes the store: its restore would
 write over resident rows no stash protects.
 
+Namespaces (tandem/cache/namespace.py): every offer is asked with the request's namespace, and
+each tier offers only copies of that namespace; what the prefill writes (anchors, prefix and
+session snapshots, the end) is the request's namespace's.
+
 Around the prefill: the governor makes room for the workspace first (or refuses the request
 before anything moved); grid lines go to the resident prefix (anchors) and the store (prefix
 snapshots); after the generation the store takes the session snapshot, then the resident prefix
@@ -24,6 +28,7 @@ from functools import partial
 from typing import Sequence
 
 from tandem.cache.governor import MemoryGovernor
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import ResidentPrefix, Resume
 from tandem.cache.store import StateStore
 
@@ -43,32 +48,34 @@ class Planner:
                 shedders["store"] = store.shed
             governor.attach(resident.memory, shedders, self.engine.cost())
 
-    def begin(self, served: Sequence[int], max_tokens: int, session: str | None) -> Resume:
+    def begin(self, served: Sequence[int], max_tokens: int, session: str | None,
+              namespace: Namespace = SHARED) -> Resume:
         if self.governor is not None:
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
-        resume = self._restore(served, max_tokens, session)
+        resume = self._restore(served, max_tokens, session, namespace)
         if self.store is not None:
-            self.store.plan_prefix(served, resume.start)
+            self.store.plan_prefix(served, resume.start, namespace)
         return resume
 
-    def _restore(self, served: Sequence[int], max_tokens: int, session: str | None) -> Resume:
+    def _restore(self, served: Sequence[int], max_tokens: int, session: str | None,
+                 namespace: Namespace) -> Resume:
         resident, store = self.resident, self.store
         if store is not None:
-            offer = resident.offer(served)
+            offer = resident.offer(served, namespace)
             if not offer.guest:
-                start, entry = store.offer(served)
+                start, entry = store.offer(served, namespace)
                 if entry is not None and start > offer.start:
                     try:
-                        resident.adopt(start, entry.key_ids, entry.taint, session)
+                        resident.adopt(start, entry.key_ids, entry.taint, session, namespace)
                     except BaseException:
                         store.release(entry)  # the lease goes back whatever happens
                         raise
-                    store.restore(entry, served)  # releases the lease itself
+                    store.restore(entry, served, namespace)  # releases the lease itself
                     return Resume(start, "store")
                 if entry is not None:
                     store.release(entry)  # the resident prefix serves it as well or better
-        return resident.begin(served, max_tokens, session)
+        return resident.begin(served, max_tokens, session, namespace)
 
     def on_chunk(self, end: int) -> None:
         self.resident.on_chunk(end)
@@ -79,13 +86,14 @@ class Planner:
             if end >= self._prompt_len:
                 self.governor.after_prefill()
 
-    def finish(self, committed_ids: Sequence[int] | None, session: str | None) -> None:
+    def finish(self, committed_ids: Sequence[int] | None, session: str | None,
+               namespace: Namespace = SHARED) -> None:
         """After the generation: the session snapshot of the committed tokens (None: none is
         taken), then the resident prefix's end."""
         if self.store is not None:
             self.store.end_prefill()
             if committed_ids is not None:
-                self.store.put_session(committed_ids, session)
+                self.store.put_session(committed_ids, session, namespace)
         self.resident.finish(committed_ids)
         if self.governor is not None:
             self.governor.after_prefill()

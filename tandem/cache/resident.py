@@ -9,6 +9,12 @@ chunk, and ``finish`` after the generation. Every copy goes through the adapter'
 
 Exactness: a resume at a grid anchor at or below ``taint`` is a cold grid prefill's, bit for bit;
 a resume at the end anchor (or an anchor above taint) holds the greedy gate.
+
+Namespaces (tandem/cache/namespace.py): the rows in place, and with them the anchors, the end
+anchor and the stash, belong to ``namespace``, set by the request whose prefill writes them; the
+pin and the park record theirs. A request of another namespace is offered none of them (it
+shares no row with the rows in place, whatever their tokens), so it starts cold and the rows in
+place are parked as another session's.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.keep import (End, Parked, Pinned, clone, make_park, pin_lines, plan_park,
                                take_pin)
 from tandem.cache.memory import MemoryAccountant
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
 
@@ -111,6 +118,8 @@ class ResidentPrefix:
         self.parked: Parked | None = None
         self.stash: _Stash | None = None
         self.session: str | None = None  # of the rows in place
+        self.namespace: Namespace = SHARED  # of the rows in place, their anchors, end and stash
+        self._guest_namespace: Namespace = SHARED  # of the guest's rows while one runs
         self.stats = ResidentStats()
         self._guest_active = False
         self._guest_start = 0
@@ -119,46 +128,50 @@ class ResidentPrefix:
     # -- the request's way -----------------------------------------------------------------
 
     def begin(self, prompt_ids: Sequence[int], max_tokens: int,
-              session: str | None = None) -> Resume:
+              session: str | None = None, namespace: Namespace = SHARED) -> Resume:
         """Restore what serves ``prompt_ids`` best and put the engine there."""
         eng = self.engine
         prompt = list(prompt_ids)
-        offer, c, continuing = self._plan(prompt)
+        offer, c, continuing = self._plan(prompt, namespace)
         if offer.guest:
-            return self._begin_guest(prompt, max_tokens, min(c, len(prompt) - 1))
+            return self._begin_guest(prompt, max_tokens, min(c, len(prompt) - 1), namespace)
         if offer.source == "pin":
-            return self._swap_in_pin(prompt, offer.start, session)
+            return self._swap_in_pin(prompt, offer.start, session, namespace)
         if offer.source == "park":
-            return self._swap_in_park(prompt, offer.start, session)
+            return self._swap_in_park(prompt, offer.start, session, namespace)
         best = offer
 
         if not continuing:
             # A request too long to be a guest that shares nothing is a compaction: its
             # session's park is history it replaces, and the old prompt's head is pinned.
-            compaction = c < self.chunk and eng.length >= self.chunk
+            compaction = (namespace == self.namespace and c < self.chunk
+                          and eng.length >= self.chunk)
             if (compaction and session is not None and self.parked is not None
-                    and self.parked.session == session):
+                    and self.parked.session == session and self.parked.namespace == namespace):
                 self._drop_park()
-            if self._other_session(session) and eng.length > best.start:
+            if self._other_session(session, namespace) and eng.length > best.start:
                 self._park_current(best.start)
             elif compaction:
                 self._pin_head()
             self._move_to(best)
         self.session = session
+        self.namespace = namespace
         self._count(best)
         return best
 
-    def offer(self, prompt_ids: Sequence[int]) -> Resume:
+    def offer(self, prompt_ids: Sequence[int], namespace: Namespace = SHARED) -> Resume:
         """Where ``begin`` would resume this prompt, with no side effect: the planner compares
         it with the other tiers' offers (a guest's start assumes its stash is granted)."""
-        return self._plan(list(prompt_ids))[0]
+        return self._plan(list(prompt_ids), namespace)[0]
 
-    def _plan(self, prompt: list[int]) -> tuple[Resume, int, bool]:
+    def _plan(self, prompt: list[int], namespace: Namespace) -> tuple[Resume, int, bool]:
         """The best resume for ``prompt``, the tokens it shares with the rows in place, and
         whether it continues them."""
         eng = self.engine
         limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
-        c = common_prefix(prompt, eng.token_ids)
+        # Another namespace's rows share nothing with the prompt (_shared_rows), so no
+        # extension, end anchor or anchor of theirs is offered.
+        c = self._shared_rows(prompt, namespace)
         continuing = c >= eng.length and eng.length <= limit
         if not continuing and self._is_guest(prompt, c):
             start = self._best_anchor(min(c, limit))
@@ -174,16 +187,23 @@ class ResidentPrefix:
             line = self._best_anchor(min(c, limit))
             if line > best.start:
                 best = Resume(line, "resident")
-        pin_point = self._pin_offer(prompt, limit)
-        park_point = self._park_offer(prompt, limit)
+        pin_point = self._pin_offer(prompt, limit, namespace)
+        park_point = self._park_offer(prompt, limit, namespace)
         if pin_point > best.start and pin_point >= park_point:
             return Resume(pin_point, "pin"), c, continuing
         if park_point > best.start:
             return Resume(park_point, "park"), c, continuing
         return best, c, continuing
 
+    def _shared_rows(self, prompt: Sequence[int], namespace: Namespace) -> int:
+        """The rows in place a request of ``namespace`` shares with ``prompt``: every comparison
+        of the rows in place with a request's tokens goes through here."""
+        if namespace != self.namespace:
+            return 0
+        return common_prefix(prompt, self.engine.token_ids)
+
     def adopt(self, n: int, token_ids: Sequence[int], taint: int | None = None,
-              session: str | None = None) -> None:
+              session: str | None = None, namespace: Namespace = SHARED) -> None:
         """An outside restore (the state store) is about to replace the rows in place with
         ``token_ids[:n]`` (rows above ``taint`` written by decoding). Called before the restore,
         while the old rows are still there: anchors stay only up to the rows both share, and
@@ -191,15 +211,16 @@ class ResidentPrefix:
         pass for a cold prefill's; the end anchor goes with its rows. Another session's rows
         above them are parked first, as a prefill that writes over them would park them."""
         eng = self.engine
-        keep = common_prefix(eng.token_ids, list(token_ids[:n]))
+        keep = self._shared_rows(list(token_ids[:n]), namespace)
         for t in (eng.taint, taint):
             if t is not None:
                 keep = min(keep, t)
-        if self._other_session(session) and eng.length > keep:
+        if self._other_session(session, namespace) and eng.length > keep:
             self._park_current(keep)
         self.anchors_drop_above(keep)
         self.end = None
         self.session = session
+        self.namespace = namespace
 
     def shed(self, level: str, need_nbytes: int) -> int:
         """The memory governor's call, on the engine thread between chunks or before a
@@ -236,6 +257,8 @@ class ResidentPrefix:
         self.anchors_drop_above(self.engine.length if not self._guest_active else
                                 self._guest_start)
         self.end = None
+        if self._guest_active:
+            self.namespace = self._guest_namespace
 
     def on_chunk(self, end: int) -> None:
         """After a prefill chunk: an anchor at every grid line the prefill passes."""
@@ -308,7 +331,8 @@ class ResidentPrefix:
     def _is_guest(self, prompt: list[int], c: int) -> bool:
         return (len(prompt) <= self.guest_max and 4 * len(prompt) < self.engine.length)
 
-    def _begin_guest(self, prompt: list[int], max_tokens: int, c: int) -> Resume:
+    def _begin_guest(self, prompt: list[int], max_tokens: int, c: int,
+                     namespace: Namespace) -> Resume:
         eng = self.engine
         state = eng.cache_state()
         start = self._best_anchor(c)
@@ -322,6 +346,7 @@ class ResidentPrefix:
             self.stats.guest_refused += 1
             log.info("guest_stash_refused", nbytes=nbytes)
             self._move_to(Resume(start, "resident" if start else "cold"))
+            self.namespace = namespace
             self._count(Resume(start, "resident" if start else "cold"))
             return Resume(start, "resident" if start else "cold", guest=True)
         self.stash = _Stash(rows=RowsCopy.take(state, start, max(stop, start)),
@@ -333,6 +358,7 @@ class ResidentPrefix:
         eng.resume_at(start)
         self._guest_active = True
         self._guest_start = start
+        self._guest_namespace = namespace
         self.stats.guests += 1
         return Resume(start, "resident" if start else "cold", guest=True)
 
@@ -426,7 +452,9 @@ class ResidentPrefix:
         elif resume.source == "cold":
             s.cold += 1
 
-    def _other_session(self, session: str | None) -> bool:
+    def _other_session(self, session: str | None, namespace: Namespace) -> bool:
+        if namespace != self.namespace:
+            return True  # another tenant's rows are never this conversation's
         if session is not None and self.session is not None:
             return session != self.session
         # Without a session key on both sides, a prompt that parts from the rows in place
@@ -442,11 +470,13 @@ class ResidentPrefix:
             return
         if self.pinned is not None:
             # The head already pinned is kept when the rows in place share it whole.
-            if common_prefix(self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids):
+            if (self.pinned.namespace == self.namespace and common_prefix(
+                    self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids)):
                 return
             self._drop_pin()
         pinned = take_pin(eng.cache_state(), eng.token_ids, eng.taint, self.anchors, self.memory,
-                          chunk=self.chunk, pin_every=self.pin_every, pin_max=self.pin_max)
+                          chunk=self.chunk, pin_every=self.pin_every, pin_max=self.pin_max,
+                          namespace=self.namespace)
         if pinned is None:
             return
         self.pinned = pinned
@@ -459,17 +489,22 @@ class ResidentPrefix:
             self.memory.release("pin", self.pinned.nbytes)
             self.pinned = None
 
-    def _pin_offer(self, prompt: list[int], limit: int) -> int:
-        return self.pinned.offer(prompt, limit) if self.pinned is not None else 0
+    def _pin_offer(self, prompt: list[int], limit: int, namespace: Namespace) -> int:
+        pin = self.pinned
+        return pin.offer(prompt, limit) if pin is not None and pin.namespace == namespace else 0
 
-    def _swap_in_pin(self, prompt: list[int], line: int, session: str | None) -> Resume:
+    def _swap_in_pin(self, prompt: list[int], line: int, session: str | None,
+                     namespace: Namespace) -> Resume:
         eng, pin = self.engine, self.pinned
         state = eng.cache_state()
-        c = common_prefix(prompt, eng.token_ids)
-        if self._other_session(session) and eng.length > c:
+        c = self._shared_rows(prompt, namespace)
+        if self._other_session(session, namespace) and eng.length > c:
             self._park_current(self._best_anchor(c))
         # Rows both prompts share stay; the rest of the head is copied back.
-        shared = min(common_prefix(pin.token_ids, eng.token_ids), line)
+        shared = min(self._shared_rows(pin.token_ids, namespace), line)
+        # Set before the first write: a restore that fails half way leaves no copy of one
+        # namespace's rows under another's name (abort cuts back to its anchors).
+        self.namespace = namespace
         self.anchors_drop_above(shared)
         self.end = None
         pin.rows.restore(state, shared, line)
@@ -504,7 +539,7 @@ class ResidentPrefix:
         if plan is None or not self.memory.reserve("park", plan.nbytes):
             return head
         parked = make_park(plan, state, eng.token_ids, eng.taint, head, self.anchors, self.end,
-                           session=self.session, reuse=reuse)
+                           session=self.session, reuse=reuse, namespace=self.namespace)
         self.parked = parked
         self.stats.parks += 1
         log.info("session_parked", head=head, rows=len(parked.token_ids) - head,
@@ -517,11 +552,16 @@ class ResidentPrefix:
             self.memory.release("park", self.parked.nbytes)
             self.parked = None
 
-    def _park_offer(self, prompt: list[int], limit: int) -> int:
+    def _park_offer(self, prompt: list[int], limit: int, namespace: Namespace) -> int:
         park = self.parked
-        return park.offer(self.engine.token_ids, prompt, limit) if park is not None else 0
+        if park is None or park.namespace != namespace:
+            return 0
+        if park.head and self.namespace != namespace:
+            return 0  # its head must be in place, and another namespace's rows are not it
+        return park.offer(self.engine.token_ids, prompt, limit)
 
-    def _swap_in_park(self, prompt: list[int], point: int, session: str | None) -> Resume:
+    def _swap_in_park(self, prompt: list[int], point: int, session: str | None,
+                      namespace: Namespace) -> Resume:
         """The parked conversation comes back and the one in place is parked as it leaves."""
         eng = self.engine
         park = self.parked
@@ -531,6 +571,7 @@ class ResidentPrefix:
         # The leaving conversation is parked in the returning one's buffer when it fits, the
         # rows swapped block by block; else copied (or, with no room, simply lost).
         swapped = self._park(state, park.head, reuse=park.rows)
+        self.namespace = namespace  # the park's (it offers itself to its own only), as for a pin
         if point > swapped:
             park.rows.restore(state, swapped, point)
         self.anchors_drop_above(park.head)

@@ -7,8 +7,10 @@ a dictionary by accident.
 Pure logic: the server looks a request up before it asks the engine and stores what the engine
 sent for a generation that ran to its end. The key is every input that shapes the output: the
 prompt ids the client's request rendered to, the sampling parameters (stop ids, the reasoning
-budget, forced ids) and the stop strings. Its digest only picks the entry; the stored prompt and
-parameters are compared element by element before an answer is given.
+budget, forced ids) and the stop strings, and the request's cache namespace (its salt's digest,
+tandem/cache/namespace.py), so that one tenant is never answered from another's requests. Its
+digest only picks the entry; the stored prompt and parameters are compared element by element
+before an answer is given.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import msgspec
+
+from tandem.cache.namespace import SHARED, Namespace
 
 ENTRY_OVERHEAD_NBYTES = 512  # the entry's objects beside its token arrays
 
@@ -54,8 +58,9 @@ class ResponseCache:
         self.too_big = 0
 
     @staticmethod
-    def _params_key(params: Any, stops: Sequence[str]) -> bytes:
-        return msgspec.json.encode({"params": params, "stops": list(stops)})
+    def _params_key(params: Any, stops: Sequence[str], namespace: Namespace) -> bytes:
+        return msgspec.json.encode({"params": params, "stops": list(stops),
+                                    "namespace": namespace})
 
     @staticmethod
     def _digest(prompt_ids: Sequence[int], params_key: bytes) -> bytes:
@@ -68,13 +73,13 @@ class ResponseCache:
     def greedy(params: Any) -> bool:
         return params.temperature == 0 or params.top_k == 1
 
-    def lookup(self, prompt_ids: Sequence[int], params: Any,
-               stops: Sequence[str] = ()) -> CachedResponse | None:
-        """The stored response of this exact greedy request, or None."""
+    def lookup(self, prompt_ids: Sequence[int], params: Any, stops: Sequence[str] = (),
+               namespace: Namespace = SHARED) -> CachedResponse | None:
+        """The stored response of this exact greedy request in ``namespace``, or None."""
         if not self.greedy(params):
             self.sampled += 1
             return None
-        key = self._params_key(params, stops)
+        key = self._params_key(params, stops, namespace)
         entry = self._entries.get(self._digest(prompt_ids, key))
         if entry is None or entry.params != key or entry.prompt_ids != list(prompt_ids):
             self.misses += 1
@@ -84,10 +89,10 @@ class ResponseCache:
         return entry.response
 
     def put(self, prompt_ids: Sequence[int], params: Any, stops: Sequence[str],
-            response: CachedResponse) -> bool:
+            response: CachedResponse, namespace: Namespace = SHARED) -> bool:
         if not self.greedy(params):
             return False
-        key = self._params_key(params, stops)
+        key = self._params_key(params, stops, namespace)
         nbytes = 8 * (len(prompt_ids) + 2 * len(response.tokens)) + len(key) \
             + ENTRY_OVERHEAD_NBYTES
         if nbytes > self.budget_nbytes:

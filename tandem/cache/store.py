@@ -20,6 +20,10 @@ is cloned. An entry offered to the engine is leased until the engine is done rea
 eviction frees it under a restore. Every hit compares the stored tokens with the prompt element
 by element: the hash only picks the bucket, since a collision would answer one request with
 another's state.
+
+Every entry belongs to the namespace of the request that wrote it (tandem/cache/namespace.py):
+the bucket is picked by (namespace, hash) and the compare checks the namespace too, so a
+request is never offered another namespace's snapshot of the very same tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import structlog
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.memory import MemoryAccountant
+from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import SequenceEngine
 from tandem.tokens import common_prefix
 
@@ -59,6 +64,7 @@ class StoreEntry:
     taint: int | None  # the lowest row decoding wrote (session snapshots), None: all prefill
     nbytes: int
     key_hash: int
+    namespace: Namespace = SHARED  # of the request whose rows it copied
 
     @property
     def n(self) -> int:
@@ -85,10 +91,12 @@ class StorePort(Protocol):
     """What the engine thread asks of the store's core: ``StoreCore`` itself, or the store
     actor's port, whose every call is a message to the actor."""
 
-    def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]: ...
+    def offer(self, prompt_ids: list[int],
+              namespace: Namespace = SHARED) -> tuple[int, StoreEntry | None]: ...
     def release(self, entry: StoreEntry, hit: bool) -> None: ...
-    def holds(self, key_ids: list[int]) -> bool: ...
-    def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str: ...
+    def holds(self, key_ids: list[int], namespace: Namespace = SHARED) -> bool: ...
+    def admit(self, key_ids: list[int], kind: str, nbytes: int,
+              namespace: Namespace = SHARED) -> str: ...
     def insert(self, entry: StoreEntry) -> None: ...
     def cancel(self, nbytes: int) -> None: ...
     def decline(self, reason: str, who: str, conversation: str | None, detail: str) -> None: ...
@@ -106,7 +114,8 @@ class StoreCore:
         self.entry_nbytes = entry_nbytes
         self.hash_fn = hash_fn
         self._entries: OrderedDict[int, StoreEntry] = OrderedDict()  # id -> entry, LRU first
-        self._buckets: dict[int, list[StoreEntry]] = {}  # hash -> entries
+        # (namespace, hash) -> entries
+        self._buckets: dict[tuple[Namespace, int], list[StoreEntry]] = {}
         self._leased: dict[int, int] = {}  # id -> offers the engine has not released
         self._said: OrderedDict[str, None] = OrderedDict()
         self.stats = StoreStats()
@@ -116,19 +125,22 @@ class StoreCore:
 
     # -- lookup ----------------------------------------------------------------------------
 
-    def offer(self, prompt_ids: list[int]) -> tuple[int, StoreEntry | None]:
-        """The longest entry whose tokens start the prompt with at least one token left to
-        forward: (its length, the entry, leased until ``release``), or (0, None), a miss."""
+    def offer(self, prompt_ids: list[int],
+              namespace: Namespace = SHARED) -> tuple[int, StoreEntry | None]:
+        """The longest entry of ``namespace`` whose tokens start the prompt with at least one
+        token left to forward: (its length, the entry, leased until ``release``), or (0, None),
+        a miss."""
         prompt = list(prompt_ids)
         limit = len(prompt) - 1
         for n in sorted({e.n for e in self._entries.values()}, reverse=True):
             if n > limit:
                 continue
             head = prompt[:n]
-            for entry in self._buckets.get(self.hash_fn(head), ()):
+            for entry in self._buckets.get((namespace, self.hash_fn(head)), ()):
                 if entry.n != n:
                     continue
-                if entry.key_ids == head:  # element by element: the hash is only a hint
+                # Element by element: the hash is only a hint.
+                if entry.namespace == namespace and entry.key_ids == head:
                     self._leased[id(entry)] = self._leased.get(id(entry), 0) + 1
                     return n, entry
                 self.stats.collisions += 1
@@ -152,23 +164,25 @@ class StoreCore:
         else:
             self.stats.session_hits += 1
 
-    def holds(self, key_ids: list[int]) -> bool:
-        """Whether an entry of exactly these tokens is held (compared element by element)."""
-        return self._find(list(key_ids)) is not None
+    def holds(self, key_ids: list[int], namespace: Namespace = SHARED) -> bool:
+        """Whether an entry of exactly these tokens is held in ``namespace`` (compared element
+        by element)."""
+        return self._find(list(key_ids), namespace) is not None
 
     # -- puts ------------------------------------------------------------------------------
 
-    def _find(self, key_ids: list[int]) -> StoreEntry | None:
-        for entry in self._buckets.get(self.hash_fn(key_ids), ()):
-            if entry.key_ids == key_ids:
+    def _find(self, key_ids: list[int], namespace: Namespace) -> StoreEntry | None:
+        for entry in self._buckets.get((namespace, self.hash_fn(key_ids)), ()):
+            if entry.namespace == namespace and entry.key_ids == key_ids:
                 return entry
         return None
 
-    def admit(self, key_ids: list[int], kind: str, nbytes: int) -> str:
+    def admit(self, key_ids: list[int], kind: str, nbytes: int,
+              namespace: Namespace = SHARED) -> str:
         """Before a snapshot is cloned: "held" when the same tokens are held already (touched),
         "reserved" when room for ``nbytes`` was made (evicting least recently used entries)
         and the caller must now ``insert`` or ``cancel``, "refused" when none can be."""
-        same = self._find(key_ids)
+        same = self._find(key_ids, namespace)
         if same is not None:
             if not (kind == "prefix" and same.kind == "session"):
                 self._entries.move_to_end(id(same))
@@ -192,11 +206,11 @@ class StoreCore:
 
     def insert(self, entry: StoreEntry) -> None:
         """A snapshot cloned into the room ``admit`` reserved; the store owns it from here."""
-        same = self._find(entry.key_ids)
+        same = self._find(entry.key_ids, entry.namespace)
         if same is not None and id(same) not in self._leased:
             self._drop(same)
         self._entries[id(entry)] = entry
-        self._buckets.setdefault(entry.key_hash, []).append(entry)
+        self._buckets.setdefault((entry.namespace, entry.key_hash), []).append(entry)
         if entry.kind == "prefix":
             self.stats.prefix_puts += 1
         else:
@@ -224,10 +238,11 @@ class StoreCore:
 
     def _drop(self, entry: StoreEntry) -> None:
         del self._entries[id(entry)]
-        bucket = self._buckets[entry.key_hash]
+        key = (entry.namespace, entry.key_hash)
+        bucket = self._buckets[key]
         bucket.remove(entry)
         if not bucket:
-            del self._buckets[entry.key_hash]
+            del self._buckets[key]
         self.memory.release(LEVEL, entry.nbytes)
 
     def _lru_free(self) -> StoreEntry | None:
@@ -282,6 +297,8 @@ class StoreCore:
         assert held <= self.memory.budgets.get(LEVEL, 0), "store over its budget"
         indexed = [e for bucket in self._buckets.values() for e in bucket]
         assert len(indexed) == len(self._entries), "bucket index out of step"
+        for key, bucket in self._buckets.items():
+            assert all((e.namespace, e.key_hash) == key for e in bucket), "entry in a wrong bucket"
         for entry in self._entries.values():
             assert entry.nbytes <= self.entry_nbytes, "an entry over the cap"
             assert entry.rows.stop == entry.n and entry.rows.start == 0, "rows and key differ"
@@ -307,6 +324,7 @@ class StateStore:
         self.session_trim = session_trim
         self.hash_fn = hash_fn
         self._planned: set[int] = set()  # grid lines of the running prefill to snapshot
+        self._namespace: Namespace = SHARED  # of the running prefill
 
     def snapshot_nbytes(self, num_tokens: int) -> int:
         state = self.engine.cache_state()
@@ -314,23 +332,26 @@ class StateStore:
 
     # -- lookup and restore ----------------------------------------------------------------
 
-    def offer(self, prompt_ids: Sequence[int]) -> tuple[int, StoreEntry | None]:
-        """The core's longest entry for the prompt, leased: ``restore`` it or ``release`` it."""
-        return self.port.offer(list(prompt_ids))
+    def offer(self, prompt_ids: Sequence[int],
+              namespace: Namespace = SHARED) -> tuple[int, StoreEntry | None]:
+        """The core's longest entry of ``namespace`` for the prompt, leased: ``restore`` it or
+        ``release`` it."""
+        return self.port.offer(list(prompt_ids), namespace)
 
     def release(self, entry: StoreEntry) -> None:
         self.port.release(entry, False)
 
-    def holds(self, key_ids: Sequence[int]) -> bool:
-        return self.port.holds(list(key_ids))
+    def holds(self, key_ids: Sequence[int], namespace: Namespace = SHARED) -> bool:
+        return self.port.holds(list(key_ids), namespace)
 
-    def restore(self, entry: StoreEntry, prompt_ids: Sequence[int]) -> int:
+    def restore(self, entry: StoreEntry, prompt_ids: Sequence[int],
+                namespace: Namespace = SHARED) -> int:
         """Write an offered entry back into the engine's buffers and put the engine at its
-        length. The tokens are compared again here: nothing is restored for a prompt they do
-        not start."""
+        length. The tokens and the namespace are compared again here: nothing is restored for
+        a prompt they do not start, nor for another namespace's request."""
         n = entry.n
         try:
-            if list(prompt_ids[:n]) != entry.key_ids:
+            if list(prompt_ids[:n]) != entry.key_ids or entry.namespace != namespace:
                 raise ValueError("a state store entry restored for a prompt it does not start")
             eng = self.engine
             state = eng.cache_state()
@@ -346,9 +367,12 @@ class StateStore:
 
     # -- the prefix cache ------------------------------------------------------------------
 
-    def plan_prefix(self, prompt_ids: Sequence[int], start: int) -> list[int]:
+    def plan_prefix(self, prompt_ids: Sequence[int], start: int,
+                    namespace: Namespace = SHARED) -> list[int]:
         """The grid lines of the prefill from ``start`` to snapshot: the longest ``boundaries``
-        lines above ``start`` whose snapshot fits the entry cap (0: every such line)."""
+        lines above ``start`` whose snapshot fits the entry cap (0: every such line), in the
+        prefill's ``namespace``."""
+        self._namespace = namespace
         lines = [line for line in range((start // self.chunk + 1) * self.chunk,
                                         len(prompt_ids) + 1, self.chunk)
                  if self.snapshot_nbytes(line) <= self.entry_nbytes]
@@ -366,14 +390,15 @@ class StateStore:
         eng = self.engine
         if eng.taint is not None and eng.taint < end:
             return
-        self._put(list(eng.token_ids[:end]), "prefix", None)
+        self._put(list(eng.token_ids[:end]), "prefix", None, self._namespace)
 
     def end_prefill(self) -> None:
         self._planned = set()
 
     # -- the session cache -----------------------------------------------------------------
 
-    def put_session(self, committed_ids: Sequence[int], conversation: str | None) -> bool:
+    def put_session(self, committed_ids: Sequence[int], conversation: str | None,
+                    namespace: Namespace = SHARED) -> bool:
         """After a turn: the state of the rows in place, keyed by their tokens, when they are
         the conversation's committed tokens. Declined, before anything is cloned, when the
         engine is ahead of them (declined_short) or the snapshot is over the cap
@@ -401,17 +426,18 @@ class StateStore:
                           f"a {n}-token snapshot is {nbytes} bytes, over the entry cap of "
                           f"{self.entry_nbytes}")
             return False
-        return self._put(list(eng.token_ids), "session", eng.taint)
+        return self._put(list(eng.token_ids), "session", eng.taint, namespace)
 
     def _decline(self, reason: str, conversation: str | None, committed: list[int],
                  detail: str) -> None:
         who = conversation or f"head:{self.hash_fn(committed[:self.chunk]):x}"
         self.port.decline(reason, who, conversation, detail)
 
-    def _put(self, key_ids: list[int], kind: str, taint: int | None) -> bool:
+    def _put(self, key_ids: list[int], kind: str, taint: int | None,
+             namespace: Namespace) -> bool:
         n = len(key_ids)
         nbytes = self.snapshot_nbytes(n)
-        verdict = self.port.admit(key_ids, kind, nbytes)
+        verdict = self.port.admit(key_ids, kind, nbytes, namespace)
         if verdict != "reserved":
             return verdict == "held"
         try:
@@ -421,7 +447,8 @@ class StateStore:
             entry = StoreEntry(key_ids=key_ids, kind=kind, sections=SectionsCopy.take(state),
                                rows=RowsCopy.take(state, 0, n),
                                taint=taint if taint is not None and taint < n else None,
-                               nbytes=nbytes, key_hash=self.hash_fn(key_ids))
+                               nbytes=nbytes, key_hash=self.hash_fn(key_ids),
+                               namespace=namespace)
         except BaseException:
             self.port.cancel(nbytes)
             raise

@@ -32,6 +32,7 @@ from tandem.actors.engine_messages import (
     PrefillAdmitted,
     TokenGenerated,
 )
+from tandem.cache.namespace import namespace_of
 from tandem.cache.response import CachedResponse
 from tandem.server.errors import ApiError
 from tandem.server.journal import RequestRow
@@ -94,7 +95,7 @@ class StopStrings:
 class Run:
     def __init__(self, state: ServerState, request: web.Request, *, route: str, request_id: str,
                  prompt_ids: list[int], params: GenerationParams, stops: list[str],
-                 session: str | None, arrived_s: float) -> None:
+                 session: str | None, arrived_s: float, cache_salt: str | None = None) -> None:
         self.state = state
         self.request = request
         self.route = route
@@ -102,6 +103,9 @@ class Run:
         self.prompt_ids = prompt_ids
         self.params = params
         self.session = session
+        # Only the salt's digest is kept: the salt never reaches the engine, a log or the
+        # journal.
+        self.namespace = namespace_of(cache_salt)
         self.arrived_s = arrived_s
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
@@ -127,7 +131,7 @@ class Run:
         """An identical greedy request answered before: its events, replayed into our queue."""
         cache = self.state.response_cache
         hit = None if cache is None else cache.lookup(self.prompt_ids, self.params,
-                                                       self._stops.stops)
+                                                       self._stops.stops, self.namespace)
         if hit is None:
             return False
         put = self._events.put_nowait
@@ -147,13 +151,13 @@ class Run:
             tuple(self._generated), msgspec.structs.replace(
                 msg, cache_source="response", reused_tokens=len(self.prompt_ids),
                 reread_tokens=0, prefill_ms=0.0, guest=False, aligned=None, end_replayed=0,
-                drafted=0, accepted=0)))
+                drafted=0, accepted=0)), self.namespace)
 
     async def start(self) -> None:
         if self._answer_from_memory():
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
-                       session=self.session)
+                       session=self.session, namespace=self.namespace)
         try:
             reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
         except TimeoutError:

@@ -188,7 +188,8 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
         ctx.prompt_tokens = len(prompt_ids)
         ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
-                      arrived_s=ctx.arrived_s)
+                      arrived_s=ctx.arrived_s,
+                      cache_salt=req.salt(ctx.state.config.cache.require_cache_salt))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None

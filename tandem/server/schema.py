@@ -23,6 +23,9 @@ Bias = Annotated[float, Meta(ge=-100, le=100)]  # OpenAI's logit_bias range
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 TopK = Annotated[int, Meta(ge=-1)]  # -1 and 0: every token (vLLM spells "off" -1)
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 1024
+# A tenant's cache namespace (vLLM's field): requests with different salts share no cached state.
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -49,6 +52,7 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # Admin only (server knob allow_forced_output): text the engine is made to write, then
     # <|im_end|>. Replay's forced mode uses it to make the rows hold a recorded answer.
     tandem_forced_output: str | None = None
+    cache_salt: CacheSalt | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -75,6 +79,13 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
         if self.n is not None and self.n > 1:
             raise bad_request("n > 1 is not supported: tandem generates one choice per request",
                               "n", "unsupported_parameter")
+
+    def salt(self, required: bool) -> str | None:
+        """The request's cache salt; a 400 when the server requires one and there is none."""
+        if required and self.cache_salt is None:
+            raise bad_request("this server requires a cache_salt on every request "
+                              "(require_cache_salt)", "cache_salt", "missing_cache_salt")
+        return self.cache_salt
 
 
 class ChatTemplateKwargs(msgspec.Struct, frozen=True):

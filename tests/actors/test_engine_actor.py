@@ -344,3 +344,35 @@ async def test_seeded_sampling_on_the_real_engine_gives_the_same_tokens_twice(sm
         snap = actor.snapshot()
         assert snap["rows_in_place"] == 5 + 6 - 1 and snap["window"] == 256
     assert runs[0] == runs[1]
+
+
+async def test_with_caches_off_another_namespace_never_extends_the_rows_in_place(small_model):
+    """The engine alone resumes a prompt that extends its rows (source engine); a request of
+    another cache namespace starts again from row 0, and its answer is the same (greedy)."""
+    from tandem.cache.namespace import namespace_of
+
+    a, b = namespace_of("a"), namespace_of("b")
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    harness.add(EngineActor(
+        "engine", make_engine=lambda: Engine(small_model, window=256, prefix_chunk=32)))
+    params = GenerationParams(max_tokens=4)
+
+    async def run(rid, prompt, namespace):
+        await harness.ask("engine", Generate(rid, list(prompt), params, reply_to=client,
+                                             namespace=namespace))
+        out = [(await client.expect(TokenGenerated, 5)).token_id for _ in range(4)]
+        return out, await client.expect(GenerationFinished, 5)
+
+    async with harness:
+        first = list(range(10, 50))
+        out, _ = await run("a1", first, a)
+        longer = first + out + [7, 8, 9]
+        out_a, done_a = await run("a2", longer, a)
+        assert (done_a.cache_source, done_a.reused_tokens) == ("engine", len(first) + 3)
+        out_b, done_b = await run("b1", longer + out_a + [5], b)
+        assert (done_b.cache_source, done_b.reused_tokens, done_b.reread_tokens) == \
+            ("cold", 0, len(longer) + 5)
+        out_s, done_s = await run("s1", longer + out_a + [5], "")
+        assert (done_s.cache_source, done_s.reused_tokens) == ("cold", 0)
+        assert out_s == out_b
