@@ -21,6 +21,7 @@ Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
 TopK = Annotated[int, Meta(ge=-1)]  # -1 and 0: every token (vLLM spells "off" -1)
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1000  # a stop string is a delimiter; OpenAI documents no bound, vLLM has none
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -52,6 +53,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"a stop string has at most {MAX_STOP_CHARS} characters", "stop")
         return [s for s in stops if s]
 
     def check_common(self) -> None:
