@@ -13,6 +13,13 @@ in their own spelling (opencode re-serialises them compactly, ``{"a":"b"}``): pa
 re-rendering them gives back the text the model wrote, so the rendered history matches the
 tokens the model generated and a cached prefix stays valid.
 
+Encoding (:func:`encode_chat`, :class:`ChatPrompt`): the template's control tokens become their
+ids; a control token's text that a client wrote anywhere (content, reasoning, system text, tool
+results, tool calls, tools) is encoded as text, so no client opens a turn of another role.
+Qwen's ``<think>`` and ``<tool_call>`` tags are added tokens but not special: they are read in
+any text, as Qwen's tokenizer reads them (a model's own tags come back that way). JSON nesting
+past ``MAX_JSON_DEPTH`` (100) levels, in tools or call arguments, is a ChatError.
+
 Parsing: the prompt ends with ``<think>\\n`` when thinking is on, so a generation is
 ``REASONING</think>\\n\\nCONTENT``; ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
 </tool_call>`` blocks in the content become tool calls (a block that is not such JSON stays in
