@@ -41,7 +41,7 @@ def _serve_parser(sub) -> argparse.ArgumentParser:
 
 
 def _prompt_ids(args, loaded) -> list[int]:
-    from tandem.models.chat import render_chat
+    from tandem.models.chat import encode_chat
 
     if args.prompt_ids:
         try:
@@ -52,9 +52,8 @@ def _prompt_ids(args, loaded) -> list[int]:
         raise SystemExit("tandem generate: this checkpoint has no tokenizer; pass --prompt-ids")
     if args.raw:
         return loaded.tokenizer.encode(args.prompt)
-    text = render_chat([{"role": "user", "content": args.prompt}],
+    return encode_chat(loaded.tokenizer, [{"role": "user", "content": args.prompt}],
                        enable_thinking=not args.no_think)
-    return loaded.tokenizer.encode(text)
 
 
 INDEX_WAIT_S = 0.5  # the longest generate waits for the suffix array before it starts

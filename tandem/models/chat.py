@@ -13,6 +13,13 @@ in their own spelling (opencode re-serialises them compactly, ``{"a":"b"}``): pa
 re-rendering them gives back the text the model wrote, so the rendered history matches the
 tokens the model generated and a cached prefix stays valid.
 
+Encoding (:func:`encode_chat`, :class:`ChatPrompt`): the template's control tokens become their
+ids; a control token's text that a client wrote anywhere (content, reasoning, system text, tool
+results, tool calls, tools) is encoded as text, so no client opens a turn of another role.
+Qwen's ``<think>`` and ``<tool_call>`` tags are added tokens but not special: they are read in
+any text, as Qwen's tokenizer reads them (a model's own tags come back that way). JSON nesting
+past ``MAX_JSON_DEPTH`` (100) levels, in tools or call arguments, is a ChatError.
+
 Parsing: the prompt ends with ``<think>\\n`` when thinking is on, so a generation is
 ``REASONING</think>\\n\\nCONTENT``; ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
 </tool_call>`` blocks in the content become tool calls (a block that is not such JSON stays in
@@ -24,6 +31,7 @@ incrementally, never leaking a partial ``</think>`` or ``<tool_call>`` tag.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -44,6 +52,9 @@ CALL_CLOSE = "</tool_call>"
 
 ROLES = ("system", "user", "assistant", "tool")
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
+# How deep a request's JSON may nest (a tool's parameters, a call's arguments): far more than a
+# JSON schema needs, far less than the depth at which a recursive parser or encoder fails.
+MAX_JSON_DEPTH = 100
 
 
 class ChatError(ValueError):
@@ -70,11 +81,16 @@ def render_chat(messages: Sequence[Mapping[str, Any]],
     own); None: tandem's. ``enable_thinking``: the generation prompt opens ``<think>\\n`` (True)
     or closes an empty think block (False). ``preserve_thinking``: render the reasoning of every
     earlier answer (True) or only after the last user query (False, Qwen3's published rule)."""
-    normalized = normalize_messages(messages)
-    tool_list = normalize_tools(tools)
+    return _render(normalize_messages(messages), normalize_tools(tools), add_generation_prompt,
+                   enable_thinking, template, preserve_thinking)
+
+
+def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+            add_generation_prompt: bool, enable_thinking: bool, template: str | None,
+            preserve_thinking: bool) -> str:
     compiled = _compile(template if template is not None else default_chat_template())
     try:
-        return compiled.render(messages=normalized, tools=tool_list,
+        return compiled.render(messages=messages, tools=tools,
                                add_generation_prompt=add_generation_prompt,
                                enable_thinking=enable_thinking,
                                preserve_thinking=preserve_thinking)
@@ -82,6 +98,122 @@ def render_chat(messages: Sequence[Mapping[str, Any]],
         raise
     except jinja2.TemplateError as e:
         raise ChatError(f"chat template failed: {e}") from None
+
+
+class ChatPrompt:
+    """A rendered chat as the tokenizer must read it: the template's own control tokens
+    (``<|im_start|>``, ``<|im_end|>``) become their ids, and control-token text that a client
+    wrote (in content, reasoning, system text, tool results, tool calls or tools) stays text,
+    so that no client can open a turn of another role. The rest is encoded exactly as one
+    ``tokenizer.encode`` of the whole text encodes it (special and markup tokens split the text
+    the same way there), so a chat without such text has the ids it always had."""
+
+    def __init__(self, marked: str, marks: _Marks) -> None:
+        self._marked = marked
+        self._marks = marks
+
+    @property
+    def text(self) -> str:
+        """The prompt text, what :func:`render_chat` returns."""
+        return self._marks.show(self._marked) if self._marks.used else self._marked
+
+    def encode(self, tokenizer: Any) -> list[int]:
+        marks = self._marks
+        if not marks.used:
+            return tokenizer.encode(self._marked)
+        ids: list[int] = []
+        pos = 0
+        for m in marks.control.finditer(self._marked):  # the template's: the client's are marks
+            if m.start() > pos:
+                ids.extend(tokenizer.encode_text(marks.show(self._marked[pos:m.start()])))
+            ids.append(tokenizer.special_ids[m.group()])
+            pos = m.end()
+        if pos < len(self._marked):
+            ids.extend(tokenizer.encode_text(marks.show(self._marked[pos:])))
+        return ids
+
+
+def render_prompt(messages: Sequence[Mapping[str, Any]],
+                  tools: Sequence[Mapping[str, Any]] | None = None,
+                  add_generation_prompt: bool = True,
+                  enable_thinking: bool = True,
+                  template: str | None = None,
+                  preserve_thinking: bool = True,
+                  control_tokens: Sequence[str] = ()) -> ChatPrompt:
+    """The conversation rendered as :func:`render_chat` renders it, every client string's
+    ``control_tokens`` text (a tokenizer's ``control_tokens``) rendered as a unique mark that
+    :meth:`ChatPrompt.encode` encodes as text. Raises ChatError."""
+    normalized = normalize_messages(messages)
+    tool_list = normalize_tools(tools)
+    while True:
+        marks = _Marks(tuple(control_tokens))
+        try:
+            hidden = _hide(normalized, marks)
+            hidden_tools = _hide(tool_list, marks)
+        except _MarkInText:
+            continue  # a client string holds this nonce: draw another
+        break
+    return ChatPrompt(_render(hidden, hidden_tools, add_generation_prompt, enable_thinking,
+                              template, preserve_thinking), marks)
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None = None, **render: Any) -> list[int]:
+    """The prompt ids of a conversation (:class:`ChatPrompt`); ``render``: the keyword
+    arguments of :func:`render_chat`."""
+    return render_prompt(messages, tools, control_tokens=tokenizer.control_tokens,
+                         **render).encode(tokenizer)
+
+
+class _MarkInText(Exception):
+    pass
+
+
+@lru_cache(maxsize=8)
+def _control_pattern(control_tokens: tuple[str, ...]) -> re.Pattern[str]:
+    # longest first, so that a token that begins another never cuts it
+    alternatives = sorted(control_tokens, key=len, reverse=True)
+    return re.compile("|".join(re.escape(t) for t in alternatives) or "(?!)")
+
+
+class _Marks:
+    """Control-token text in a client's strings, each occurrence replaced by a mark: ASCII
+    letters and digits with a random nonce, which no template filter (trim, tojson, escaping)
+    changes and no client string holds."""
+
+    def __init__(self, control_tokens: tuple[str, ...]) -> None:
+        self.tokens = control_tokens
+        self.control = _control_pattern(control_tokens)
+        self._index = {t: i for i, t in enumerate(control_tokens)}
+        self.nonce = "tandem" + secrets.token_hex(8)
+        self._mark = re.compile(self.nonce + r"c(\d+)e")
+        self.used = False
+
+    def hide(self, text: str) -> str:
+        if not self.tokens:
+            return text
+        if self.nonce in text:
+            raise _MarkInText
+        # one fast substring search a token, rather than one regex pass holding the GIL
+        if not any(t in text for t in self.tokens):
+            return text
+        self.used = True
+        return self.control.sub(lambda m: f"{self.nonce}c{self._index[m.group()]}e", text)
+
+    def show(self, text: str) -> str:
+        return self._mark.sub(lambda m: self.tokens[int(m.group(1))], text)
+
+
+def _hide(value: Any, marks: _Marks) -> Any:
+    """A copy of normalised messages or tools with every string's control-token text marked
+    (their depth is bounded: MAX_JSON_DEPTH)."""
+    if isinstance(value, str):
+        return marks.hide(value)
+    if isinstance(value, Mapping):
+        return {_hide(k, marks): _hide(v, marks) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_hide(v, marks) for v in value]
+    return value
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -112,6 +244,8 @@ def normalize_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str,
             raise ChatError(f"{where}: expected {{\"type\": \"function\", \"function\": {{...}}}}")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise ChatError(f"{where}: the function has no name")
+        if nested_deeper(tool, MAX_JSON_DEPTH):
+            raise ChatError(f"{where} nests more than {MAX_JSON_DEPTH} levels deep")
         out.append(dict(tool))
     return out
 
@@ -145,7 +279,7 @@ def _normalize_message(m: Any, where: str) -> dict[str, Any]:
         if content is None:
             raise ChatError(f"{where}: a {role} message needs content")
         out["content"] = content
-        if role == "tool" and m.get("tool_call_id") is not None:
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
             out["tool_call_id"] = m["tool_call_id"]
     return out
 
@@ -192,17 +326,23 @@ def _tool_calls(tool_calls: Any, where: str) -> list[dict[str, Any]]:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise ChatError(f"{at}: the function has no name")
-        out.append({"id": call.get("id"), "type": "function",
+        call_id = call.get("id")
+        out.append({"id": call_id if isinstance(call_id, str) else None, "type": "function",
                     "function": {"name": name, "arguments": _arguments(fn.get("arguments"), at)}})
     return out
 
 
 def _arguments(arguments: Any, at: str) -> dict[str, Any]:
+    too_deep = ChatError(f"{at}: arguments nest more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(arguments, Mapping):
+        if nested_deeper(arguments, MAX_JSON_DEPTH):
+            raise too_deep
         return dict(arguments)
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         return {}  # some clients send "" for a call without arguments
     if isinstance(arguments, str):
+        if json_text_deeper(arguments, MAX_JSON_DEPTH):
+            raise too_deep  # before json.loads, which recurses and fails past ~1,000 levels
         try:
             parsed = json.loads(arguments)
         except ValueError as e:
@@ -212,6 +352,51 @@ def _arguments(arguments: Any, at: str) -> dict[str, Any]:
             return parsed
         raise ChatError(f"{at}: arguments must be a JSON object, got {type(parsed).__name__}")
     raise ChatError(f"{at}: arguments must be a JSON object or a string holding one")
+
+
+_SCALARS = (str, int, float, bool, type(None))
+
+
+def nested_deeper(value: Any, limit: int) -> bool:
+    """Whether decoded JSON (objects, arrays, scalars; any Mapping or list) nests more than
+    ``limit`` levels: ``[]`` is one level, ``[[1]]`` two. Iterative: no depth can overflow it."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if not isinstance(c, _SCALARS))
+    return False
+
+
+# A JSON text's strings (skipped whole, possessively: no backtracking), its brackets, and a quote
+# that opens a string that never closes.
+_JSON_BRACKETS = re.compile(
+    r'"[^"\\]*+(?:\\.[^"\\]*+)*+"|(?P<open>[\[{])|(?P<close>[\]}])|(?P<unclosed>")', re.DOTALL)
+
+
+def json_text_deeper(text: str, limit: int) -> bool:
+    """Whether a JSON text nests more than ``limit`` levels, without parsing it (in time linear
+    in its length). A parser goes no deeper than the levels open before a string that never
+    closes, so the count stops there."""
+    depth = 0
+    for m in _JSON_BRACKETS.finditer(text):
+        kind = m.lastgroup
+        if kind == "open":
+            depth += 1
+            if depth > limit:
+                return True
+        elif kind == "close":
+            depth -= 1
+        elif kind == "unclosed":
+            return False
+    return False
 
 
 def _clip(text: str, n: int = 80) -> str:
@@ -303,7 +488,9 @@ def parse_tool_call(block: str, make_id: Callable[[], str] = new_call_id,
                     ) -> dict[str, Any] | None:
     """The OpenAI tool call of the JSON between ``<tool_call>`` and ``</tool_call>``; None when
     it is not ``{"name": str, "arguments": object}`` (arguments may also be a string holding a
-    JSON object, or missing)."""
+    JSON object, or missing) or nests more than MAX_JSON_DEPTH levels."""
+    if json_text_deeper(block, MAX_JSON_DEPTH):
+        return None
     try:
         obj = json.loads(block)
     except ValueError:
@@ -312,6 +499,8 @@ def parse_tool_call(block: str, make_id: Callable[[], str] = new_call_id,
         return None
     args = obj.get("arguments", {})
     if isinstance(args, str):
+        if json_text_deeper(args, MAX_JSON_DEPTH):
+            return None
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:

@@ -11,7 +11,14 @@ A model directory holds either
   counts are those of a real deployment.
 
 Text from the chat template carries its special tokens as text (``<|im_start|>``); ``encode``
-turns them into their ids unless ``allow_special=False``.
+turns them into their ids unless ``allow_special=False``. ``control_tokens`` are the added tokens
+marked special (the turn markers, ``<|endoftext|>``, ...), which a client's text must never
+become (:func:`tandem.models.chat.encode_chat`); Qwen's ``<think>`` and ``<tool_call>`` tags are
+added tokens too but not special, and are read in any text, as Qwen's own tokenizer reads them.
+
+A run of whitespace longer than ``WHITESPACE_PART`` characters is encoded in parts of that many
+(tiktoken's backtracking regex fails on a run of about a million); every shorter text encodes as
+one call does.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import codecs
 import hashlib
 import json
 import os
+import re
 import shutil
 import unicodedata
 from functools import lru_cache
@@ -44,8 +52,17 @@ _QWEN_NON_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<tool_response>",
                                "</tool_response>", "<think>", "</think>"})
 
 
+# Unicode White_Space, what the pre-tokenizer regexes' \s means.
+_WHITESPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+WHITESPACE_PART = 100_000
+# Tried only where a run begins: from inside a run, each try would scan to its end (quadratic).
+_LONG_WHITESPACE = re.compile(f"(?<![{_WHITESPACE}])[{_WHITESPACE}]{{{WHITESPACE_PART + 1},}}")
+
+
 class _Backend(Protocol):
     def encode(self, text: str, allow_special: bool) -> list[int]: ...
+    def encode_text(self, text: str) -> list[int]: ...
+    def normalize(self, text: str) -> str: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token_id: int) -> bytes | None: ...
     def piece(self, token_id: int) -> str | None: ...
@@ -58,15 +75,19 @@ class Tokenizer:
     ``eos_ids``: the ids that end a generation (``<|im_end|>``, ``<|endoftext|>``, and the
     config's ``eos_token``). ``vocab_size``: one past the largest id, specials included.
     ``sha256``: a fingerprint of what maps text to ids (the vocabulary files), for cache keys.
-    ``chat_template``: the template the directory ships, if any.
+    ``chat_template``: the template the directory ships, if any. ``control_tokens``: the added
+    tokens marked special, which :meth:`encode_text` reads as text.
     """
 
     def __init__(self, backend: _Backend, *, vocab_size: int, special_ids: dict[str, int],
                  eos_ids: tuple[int, ...], sha256: str, chat_template: str | None,
-                 kind: str) -> None:
+                 kind: str, control_tokens: tuple[str, ...] | None = None) -> None:
         self._backend = backend
         self.vocab_size = vocab_size
         self.special_ids = dict(special_ids)
+        # None: every added token is a control token
+        self.control_tokens = tuple(special_ids) if control_tokens is None else control_tokens
+        self._max_token_bytes: int | None = None
         self.eos_ids = eos_ids
         self.sha256 = sha256
         self.chat_template = chat_template
@@ -80,7 +101,34 @@ class Tokenizer:
         """Token ids of ``text``. ``allow_special``: the text of an added token becomes its id
         (what a rendered chat needs); False: it is ordinary text (what user content needs when
         encoded alone)."""
-        return self._backend.encode(text, allow_special)
+        return _in_parts(text, lambda part: self._backend.encode(part, allow_special))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a client's text: a control token's text is ordinary text, the other
+        added tokens (Qwen's ``<think>``, ``<tool_call>``) are their ids."""
+        return _in_parts(text, self._backend.encode_text)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token stands for (an added token by its text), so a text of
+        B bytes has at least B / max_token_bytes tokens. Computed once, on first use."""
+        if self._max_token_bytes is None:
+            longest = max((len(t.encode()) for t in self.special_ids), default=1)
+            for i in range(self.vocab_size):
+                data = self._backend.token_bytes(i)
+                if data is None:  # not byte-level: a token's piece, by its UTF-8
+                    piece = self._backend.piece(i)
+                    data = piece.encode() if piece is not None else b""
+                longest = max(longest, len(data))
+            self._max_token_bytes = max(1, longest)
+        return self._max_token_bytes
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of ``len(self.encode(text))`` that costs no tokenising: the UTF-8
+        bytes of the text as the tokenizer normalises it (NFC can shrink a text to a third),
+        over max_token_bytes."""
+        data = self._backend.normalize(text).encode("utf-8", errors="surrogatepass")
+        return -(-len(data) // self.max_token_bytes)
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids``, special tokens included; invalid UTF-8 becomes U+FFFD, and an id
@@ -149,15 +197,52 @@ class StreamDecoder:
         return new_text[len(prefix_text):]
 
 
+_SEARCH_CHUNK = 1 << 18  # characters one regex call scans: the GIL is not held much longer
+
+
+def _has_long_whitespace(text: str) -> bool:
+    """Whether ``text`` has a whitespace run longer than WHITESPACE_PART, searched a chunk at a
+    time so that a worker thread tokenising 8 MB lets the event loop run between chunks."""
+    for start in range(0, len(text), _SEARCH_CHUNK):
+        # a run that begins in this chunk is seen whole: the lookbehind sees before ``start``
+        end = start + _SEARCH_CHUNK + WHITESPACE_PART + 1
+        if _LONG_WHITESPACE.search(text, start, end) is not None:
+            return True
+    return False
+
+
+def _in_parts(text: str, encode: Any) -> list[int]:
+    if len(text) <= WHITESPACE_PART or not _has_long_whitespace(text):
+        return encode(text)
+    ids: list[int] = []
+    for part in _whitespace_parts(text):
+        ids.extend(encode(part))
+    return ids
+
+
+def _whitespace_parts(text: str) -> list[str]:
+    """``text`` cut inside every whitespace run longer than WHITESPACE_PART, every
+    WHITESPACE_PART characters of it."""
+    parts = []
+    start = 0
+    for run in _LONG_WHITESPACE.finditer(text):
+        for cut in range(run.start() + WHITESPACE_PART, run.end(), WHITESPACE_PART):
+            parts.append(text[start:cut])
+            start = cut
+    parts.append(text[start:])
+    return parts
+
+
 # ---------------------------------------------------------------------------------------------
 # Backends
 
 
 class _TiktokenBackend:
     def __init__(self, ranks: dict[bytes, int], specials: dict[str, int], pat_str: str,
-                 nfc: bool) -> None:
+                 nfc: bool, control: tuple[str, ...]) -> None:
         import tiktoken
 
+        self._markup = frozenset(specials) - frozenset(control)
         self._enc = tiktoken.Encoding("tandem", pat_str=pat_str, mergeable_ranks=ranks,
                                       special_tokens=specials)
         self._nfc = nfc
@@ -168,12 +253,20 @@ class _TiktokenBackend:
     def n_vocab(self) -> int:
         return self._enc.n_vocab
 
-    def encode(self, text: str, allow_special: bool) -> list[int]:
+    def normalize(self, text: str) -> str:
         if self._nfc and not unicodedata.is_normalized("NFC", text):
-            text = unicodedata.normalize("NFC", text)
+            return unicodedata.normalize("NFC", text)
+        return text
+
+    def encode(self, text: str, allow_special: bool) -> list[int]:
+        text = self.normalize(text)
         if allow_special:
             return self._enc.encode(text, allowed_special="all")
         return self._enc.encode_ordinary(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._enc.encode(self.normalize(text), allowed_special=self._markup,
+                                disallowed_special=())
 
     def decode(self, ids: list[int]) -> str:
         get = self._bytes.get
@@ -210,7 +303,13 @@ class _HFBackend:
         self._tok = HFTokenizer.from_file(str(path))
         self._plain: Any = None  # a second instance that reads added tokens as text, lazily
         self._byte_level = byte_level
-        self._added = {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
+        added = self._tok.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        self.control = tuple(t.content for t in added.values() if t.special)
+
+    def normalize(self, text: str) -> str:
+        normalizer = self._tok.normalizer
+        return text if normalizer is None else normalizer.normalize_str(text)
 
     def encode(self, text: str, allow_special: bool) -> list[int]:
         if allow_special:
@@ -221,6 +320,9 @@ class _HFBackend:
             self._plain = HFTokenizer.from_file(str(self._path))
             self._plain.encode_special_tokens = True
         return self._plain.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self.encode(text, allow_special=False)  # special tokens as text, the rest read
 
     def decode(self, ids: list[int]) -> str:
         size = self.n_vocab
@@ -354,7 +456,9 @@ def _load_tiktoken(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
     if clash:
         raise ModelError(f"{config_path}: added token ids {sorted(clash)[:5]} are also BPE ranks")
     nfc = config.get("normalizer") == "NFC"
-    backend = _TiktokenBackend(ranks, specials, pat_str, nfc)
+    control = tuple(entry["content"] for entry in config["added_tokens_decoder"].values()
+                    if entry.get("special", True) is not False)
+    backend = _TiktokenBackend(ranks, specials, pat_str, nfc, control)
 
     h = hashlib.sha256(b"tiktoken\0")
     h.update(raw)
@@ -363,7 +467,8 @@ def _load_tiktoken(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
                         ensure_ascii=False).encode())
     return Tokenizer(backend, vocab_size=backend.n_vocab, special_ids=specials,
                      eos_ids=_eos_ids(specials, config), sha256=h.hexdigest(),
-                     chat_template=_chat_template(model_dir, config), kind="tiktoken")
+                     chat_template=_chat_template(model_dir, config), kind="tiktoken",
+                     control_tokens=control)
 
 
 def _load_hf(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
@@ -383,7 +488,8 @@ def _load_hf(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
     return Tokenizer(backend, vocab_size=backend.n_vocab, special_ids=specials,
                      eos_ids=_eos_ids(specials, config),
                      sha256=hashlib.sha256(b"hf\0" + raw).hexdigest(),
-                     chat_template=_chat_template(model_dir, config), kind="hf")
+                     chat_template=_chat_template(model_dir, config), kind="hf",
+                     control_tokens=backend.control)
 
 
 # ---------------------------------------------------------------------------------------------

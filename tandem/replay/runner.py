@@ -34,7 +34,7 @@ import numpy as np
 import structlog
 from aiohttp import web
 
-from tandem.models.chat import ChatError, render_chat
+from tandem.models.chat import ChatError, encode_chat
 from tandem.replay.forced import answer_message, forced_text, next_answer
 
 log = structlog.get_logger("tandem.replay")
@@ -177,6 +177,10 @@ class Replayer:
         forced = self._forced(index, body) if self.mode == "forced" else None
         if forced is not None:
             body["tandem_forced_output"] = forced
+            # The forced answer is as long as it is: a recorded client's cap (opencode's
+            # 32,000) may exceed a smaller replay window's room, which is a 400.
+            body.pop("max_tokens", None)
+            body.pop("max_completion_tokens", None)
         elif self.max_tokens is not None:
             body["max_tokens"] = min(int(body.get("max_tokens") or self.max_tokens),
                                      self.max_tokens)
@@ -266,10 +270,9 @@ class Replayer:
         try:
             if route.endswith("/chat/completions"):
                 tools = body.get("tools") if body.get("tool_choice") != "none" else None
-                text = render_chat(body.get("messages") or [], tools,
+                return encode_chat(tok, body.get("messages") or [], tools,
                                    add_generation_prompt=True, enable_thinking=_thinking(body),
                                    template=self.template)
-                return tok.encode(text)
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                 return prompt

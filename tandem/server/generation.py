@@ -53,43 +53,79 @@ def new_request_id(prefix: str) -> str:
 
 
 class StopStrings:
-    """Cuts generated text at the first stop string, holding back an end that may begin one."""
+    """Cuts generated text at the first stop string, holding back an end that may begin one.
+
+    Incremental, so that a token costs the length of its delta per stop string, never a stop's
+    length squared: each stop string has a KMP automaton whose state is the longest end of the
+    text so far that begins it (the part to hold back), and only the text not yet emitted is
+    kept. No stop string can begin in the emitted text (it never ends in a beginning of one),
+    so a full match is looked for in the kept text alone, from where a match that ends in the
+    new delta can start.
+    """
 
     def __init__(self, stops: list[str]) -> None:
         self.stops = stops
-        self._longest = max((len(s) for s in stops), default=0)
-        self._text = ""
-        self._emitted = 0
+        self._fail = [_failure(s) for s in stops]
+        self._state = [0] * len(stops)  # per stop: its longest beginning the text ends with
+        self._pending = ""  # what is held back, not yet emitted
         self.matched = False
 
     def feed(self, delta: str) -> str:
-        self._text += delta
+        if self.matched:
+            return ""  # nothing after a stop string is ever emitted
         if not self.stops:
-            out, self._emitted = self._text[self._emitted:], len(self._text)
-            return out
-        start = max(0, self._emitted - self._longest + 1)
-        hits = [i for s in self.stops if (i := self._text.find(s, start)) >= 0]
-        if hits:
-            cut = min(hits)
-            out = self._text[self._emitted:cut]
-            self._emitted = len(self._text)
-            self.matched = True
-            return out
-        hold = 0
+            return delta
+        old = len(self._pending)
+        pending = self._pending + delta
+        cut = -1
         for s in self.stops:
-            for n in range(min(len(s) - 1, len(self._text)), hold, -1):
-                if s.startswith(self._text[-n:]):
-                    hold = n
-                    break
-        end = max(self._emitted, len(self._text) - hold)
-        out, self._emitted = self._text[self._emitted:end], end
-        return out
+            i = pending.find(s, max(0, old - len(s) + 1))
+            if i >= 0 and (cut < 0 or i < cut):
+                cut = i
+        if cut >= 0:
+            self.matched = True
+            self._pending = ""
+            return pending[:cut]
+        hold = 0
+        for k, s in enumerate(self.stops):
+            self._state[k] = _advance(s, self._fail[k], self._state[k], delta)
+            hold = max(hold, self._state[k])
+        keep = len(pending) - min(hold, len(pending))
+        self._pending = pending[keep:]
+        return pending[:keep]
 
     def flush(self) -> str:
         if self.matched:
             return ""
-        out, self._emitted = self._text[self._emitted:], len(self._text)
+        out, self._pending = self._pending, ""
         return out
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's failure function: for each i, the length of the longest proper beginning of
+    s[:i + 1] that is also its end."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+def _advance(s: str, fail: list[int], state: int, text: str) -> int:
+    """The automaton's state after ``text``: the longest end of everything read that begins s
+    (a full match falls back to its longest proper border; the caller has cut before that)."""
+    for c in text:
+        while state and s[state] != c:
+            state = fail[state - 1]
+        if s[state] == c:
+            state += 1
+        if state == len(s):
+            state = fail[state - 1]
+    return state
 
 
 class Run:

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.actors.governor import GetMemoryReport, MemoryReport, SetMemoryLimits
 from tandem.cache.governor import gib_nbytes
+from tandem.server.body import read_json
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.guard import admin_route
-from tandem.server.keys import SUPERVISOR
+from tandem.server.keys import CONFIG, SUPERVISOR
 
 LIMIT_KEYS = ("mem_ceiling_gib", "mem_peak_gib", "reserve_slack_gib")
 
@@ -82,13 +82,8 @@ async def memory_report(request: web.Request) -> web.Response:
 @admin_route
 async def set_memory_limits(request: web.Request) -> web.Response:
     governor = _governor(request)
-    try:
-        body = msgspec.json.decode(await request.read())
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
-    except web.RequestPayloadError:
-        raise ApiError(400, "the body could not be read (does it match its Content-Encoding?)",
-                       code="invalid_body", close=True) from None
+    server = request.app[CONFIG].server
+    body = await read_json(request, server.max_body_bytes, server.request_read_timeout_s)
     if not isinstance(body, dict) or not set(body) <= set(LIMIT_KEYS) or not body:
         raise bad_request(f"the body must be an object with some of {list(LIMIT_KEYS)}",
                           code="invalid_limits")

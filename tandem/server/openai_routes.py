@@ -3,6 +3,10 @@
 A generation request goes: read the body (size limit, read deadline) -> decode and check it ->
 render and tokenize -> check the window -> ask the engine (`Run`) -> answer whole or as SSE
 chunks. Every request that gets as far as a decoded body leaves one journal row.
+
+Nothing a body holds may stall the event loop: a large body is decoded, and every prompt is
+rendered and tokenised, on a worker thread, and a prompt whose bytes alone show that it cannot
+fit the window is refused before it is tokenised.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from tandem.models.chat import (
     StreamParser,
     ToolCallParsed,
     parse_output,
-    render_chat,
+    render_prompt,
 )
+from tandem.server.body import read_json
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
 from tandem.server.guard import require_admin
@@ -71,40 +76,6 @@ def _unknown_model(name: str, state: ServerState) -> ApiError:
 # -- reading a request -----------------------------------------------------------------------
 
 
-async def read_json(request: web.Request, state: ServerState) -> dict[str, Any]:
-    """The body as a JSON object: 413 past max_body_bytes, 408 (and the connection closed) when
-    it is not all there within request_read_timeout_s, 400 when it is not a JSON object."""
-    limit = state.config.server.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"the body has {request.content_length} bytes; the limit is {limit}",
-                       code="request_too_large", close=True)
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        async with asyncio.timeout(state.config.server.request_read_timeout_s):
-            while chunk := await request.content.readany():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"the body is over the limit of {limit} bytes",
-                                   code="request_too_large", close=True)
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ApiError(408, "the request was not received in time", code="request_timeout",
-                       close=True) from None
-    except web.RequestPayloadError:
-        # aiohttp decodes a Content-Encoding as it reads: a body that does not match it
-        # (gzip over plain bytes) fails here.
-        raise ApiError(400, "the body could not be read (does it match its Content-Encoding?)",
-                       code="invalid_body", close=True) from None
-    try:
-        body = msgspec.json.decode(b"".join(chunks))
-    except msgspec.DecodeError as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise bad_request("the body must be a JSON object", code="invalid_json")
-    return body
-
-
 def _params(req: _Sampling, state: ServerState, limit: int | None, room: int,
             ) -> GenerationParams:
     d = state.defaults
@@ -135,6 +106,26 @@ def _forced_ids(req: _Sampling, state: ServerState) -> tuple[int, ...]:
     require_admin()  # the admin token, or a loopback client when none is set
     tok = state.tokenizer
     return tuple(tok.encode(req.tandem_forced_output)) + (tok.special_ids["<|im_end|>"],)
+
+
+def _check_fits(text: str, state: ServerState, param: str) -> None:
+    """Refuse a prompt whose bytes alone show it has more tokens than the window holds, before
+    anything tokenises it."""
+    at_least = state.tokenizer.min_tokens(text)
+    if at_least > state.window:
+        raise ApiError(400, f"the prompt has at least {at_least} tokens and the window holds "
+                       f"{state.window}", param=param, code="context_length_exceeded")
+
+
+def _check_room(limit: int | None, param: str, prompt_tokens: int, window: int,
+                where: str) -> None:
+    """An explicit ``max_tokens`` past the window's room is refused, as OpenAI refuses it (the
+    last token needs no row: the room is window - prompt + 1); an implicit one is the room."""
+    if limit is not None and limit > window - prompt_tokens + 1:
+        raise ApiError(400, f"This model's maximum context length is {window} tokens. However, "
+                       f"you requested {prompt_tokens + limit} tokens ({prompt_tokens} in the "
+                       f"{where}, {limit} in the completion). Please reduce the length of the "
+                       f"{where} or completion.", param=param, code="context_length_exceeded")
 
 
 def _check_window(num_tokens: int, window: int, param: str) -> None:
@@ -182,9 +173,10 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
     body: dict[str, Any] | None = None
     extra: dict = {}
     try:
-        body = await read_json(request, ctx.state)
+        server = ctx.state.config.server
+        body = await read_json(request, server.max_body_bytes, server.request_read_timeout_s)
         ctx.session = session_key(body, request.headers)
-        req, prompt_ids, params, stops, extra = prepare(ctx, body)
+        req, prompt_ids, params, stops, extra = await prepare(ctx, body)
         ctx.prompt_tokens = len(prompt_ids)
         ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
@@ -241,24 +233,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "chat", "chatcmpl", _prepare_chat, _answer_chat)
 
 
-def _prepare_chat(ctx: _Request, body: dict[str, Any]):
+async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     state = ctx.state
     req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
     req.check()
     if req.model != state.model_name:
         raise _unknown_model(req.model, state)
+    stops = req.stop_strings()
+    prompt_ids = await asyncio.to_thread(_chat_ids, state, req)
+    window = state.window
+    _check_window(len(prompt_ids), window, "messages")
+    _check_room(req.limit, "max_completion_tokens" if req.max_completion_tokens is not None
+                else "max_tokens", len(prompt_ids), window, "messages")
+    params = _params(req, state, req.limit, window - len(prompt_ids) + 1)
+    return req, prompt_ids, params, stops, {"thinking": req.enable_thinking}
+
+
+def _chat_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    """The prompt ids (on a worker thread): control-token text in the client's strings is text
+    (tandem.models.chat.ChatPrompt)."""
     tools = req.tools if req.tool_choice != "none" else None
     try:
-        text = render_chat(req.messages, tools, add_generation_prompt=True,
-                           enable_thinking=req.enable_thinking, template=state.chat_template)
+        prompt = render_prompt(req.messages, tools, add_generation_prompt=True,
+                               enable_thinking=req.enable_thinking, template=state.chat_template,
+                               control_tokens=state.tokenizer.control_tokens)
     except ChatError as e:
         param = "tools" if str(e).startswith("tools") else "messages"
         raise bad_request(str(e), param, "invalid_messages") from None
-    prompt_ids = state.tokenizer.encode(text)
-    window = state.window
-    _check_window(len(prompt_ids), window, "messages")
-    params = _params(req, state, req.limit, window - len(prompt_ids) + 1)
-    return req, prompt_ids, params, req.stop_strings(), {"thinking": req.enable_thinking}
+    _check_fits(prompt.text, state, "messages")
+    return prompt.encode(state.tokenizer)
 
 
 def _chunk(ctx: _Request, run: Run, choices: list[dict], usage: dict | None = None,
@@ -384,19 +387,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
                         _answer_completion)
 
 
-def _prepare_completion(ctx: _Request, body: dict[str, Any]):
+async def _prepare_completion(ctx: _Request, body: dict[str, Any]):
     state = ctx.state
     req: CompletionRequest = decode_body(body, CompletionRequest)
     req.check()
     if req.model != state.model_name:
         raise _unknown_model(req.model, state)
+    stops = req.stop_strings()
     prompt = req.prompt_ids_or_text(state.tokenizer.vocab_size)
-    prompt_ids = state.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    prompt_ids = await asyncio.to_thread(_text_ids, state, prompt) if isinstance(prompt, str) \
+        else prompt
     window = state.window
     _check_window(len(prompt_ids), window, "prompt")
+    _check_room(req.max_tokens, "max_tokens", len(prompt_ids), window, "prompt")
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _params(req, state, limit, window - len(prompt_ids) + 1)
-    return req, prompt_ids, params, req.stop_strings(), {}
+    return req, prompt_ids, params, stops, {}
+
+
+def _text_ids(state: ServerState, prompt: str) -> list[int]:
+    """A raw prompt's ids (on a worker thread). The client writes the whole prompt, turn
+    markers included, so special-token text in it is read as the tokens."""
+    _check_fits(prompt, state, "prompt")
+    return state.tokenizer.encode(prompt)
 
 
 def _completion_doc(ctx: _Request, run: Run, choices: list[dict]) -> dict:

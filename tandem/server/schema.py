@@ -26,6 +26,7 @@ MAX_STOP_STRINGS = 16
 MAX_CACHE_SALT_CHARS = 1024
 # A tenant's cache namespace (vLLM's field): requests with different salts share no cached state.
 CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+MAX_STOP_CHARS = 1000  # a stop string is a delimiter; OpenAI documents no bound, vLLM has none
 
 
 class StreamOptions(msgspec.Struct, frozen=True):
@@ -62,6 +63,8 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings", "stop")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise bad_request(f"a stop string has at most {MAX_STOP_CHARS} characters", "stop")
         return [s for s in stops if s]
 
     def logit_bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:

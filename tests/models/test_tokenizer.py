@@ -4,6 +4,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tandem.models.base import ModelError
 from tandem.models.chat import default_chat_template, render_chat
@@ -159,3 +161,42 @@ def test_tokenizer_json_round_trips_and_streams(hf_dir, qwen):
     deltas = check_stream(tok, ids)
     assert not any("\ufffd" in d for d in deltas)
     assert tok.sha256 != qwen.sha256
+
+
+def test_control_tokens_are_the_special_ones_and_client_text_reads_them_as_text(qwen, hf_dir):
+    assert "<|im_start|>" in qwen.control_tokens and "<|endoftext|>" in qwen.control_tokens
+    assert not {"<think>", "</think>", "<tool_call>", "</tool_response>"} & set(
+        qwen.control_tokens)
+    text = "<think>a</think><|im_start|>b"
+    ids = qwen.encode_text(text)
+    assert qwen.special_ids["<think>"] in ids and qwen.special_ids["<|im_start|>"] not in ids
+    assert qwen.decode(ids) == text
+    hf = load_tokenizer(hf_dir)
+    assert set(hf.control_tokens) == {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}
+    ids = hf.encode_text(text)
+    assert hf.special_ids["<think>"] in ids and hf.special_ids["<|im_start|>"] not in ids
+
+
+@pytest.mark.parametrize("run", [" " * 2_000_000, "\t" * 1_100_000, " \t\u3000" * 400_000])
+def test_a_whitespace_run_of_millions_encodes_and_round_trips(qwen, run):
+    # tiktoken's regex alone fails past about a million ("Max stack size exceeded")
+    text = "a" + run + "b"
+    ids = qwen.encode(text)
+    assert qwen.decode(ids) == text
+    assert qwen.decode(qwen.encode_text(text)) == text
+
+
+def test_a_text_without_a_run_past_the_part_encodes_as_one_call_does(qwen):
+    from tandem.models.tokenizer import WHITESPACE_PART
+
+    text = "x" + " " * WHITESPACE_PART + "y\n" + "\n" * WHITESPACE_PART + MIXED
+    assert qwen.encode(text) == qwen._backend.encode(text, True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(
+    [" " * 128, "-" * 60, "a", "中", "🎉", "\u1100\u1161\u11a8", "e\u0301", "<|im_start|>",
+     "<think>", "\n", "12345"]), max_size=30).map("".join))
+def test_min_tokens_never_exceeds_the_tokens(qwen, text):
+    # decomposed Hangul and accents shrink under NFC; 128 spaces are one token
+    assert qwen.min_tokens(text) <= len(qwen.encode(text))
