@@ -160,7 +160,8 @@ def status_class(answer: fuzzcases.Answer | None) -> str:
 def draw(rng: random.Random, args: argparse.Namespace, model: str, host: str, port: int,
          ) -> fuzzcases.Case | fuzzcases.RawCase:
     if rng.random() < args.raw_share:
-        return fuzzcases.raw_case(rng, model, f"{host}:{port}")
+        return fuzzcases.raw_case(rng, model, f"[{host}]:{port}" if ":" in host else
+                                  f"{host}:{port}")
     return fuzzcases.http_case(rng, model, max_tokens=args.max_tokens, long_max=args.long_max,
                                body_limit=args.body_limit, framing=True)
 

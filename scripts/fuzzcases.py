@@ -574,7 +574,8 @@ class Answer:
 
 
 def request_bytes(case: Case, host: str, port: int, token: str | None = None) -> bytes:
-    lines = [f"{case.method} {case.path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close"]
+    name = f"[{host}]" if ":" in host else host  # an IPv6 address
+    lines = [f"{case.method} {case.path} HTTP/1.1", f"Host: {name}:{port}", "Connection: close"]
     if token is not None:
         lines.append(f"Authorization: Bearer {token}")
     lines += [f"{k}: {v}" for k, v in case.headers.items()]

@@ -183,3 +183,14 @@ def test_numbers_no_float_holds_are_written_as_json_numbers():
     text = fuzzcases.dumps({"t": fuzzcases.Raw("1e999"), "x": float("inf"),
                             "n": [float("nan"), -0.0]})
     assert text == '{"t": 1e999, "x": 1e999, "n": [NaN, -0.0]}'
+
+
+def test_the_fuzz_script_refuses_a_host_that_is_not_loopback():
+    import fuzz_server
+
+    assert fuzz_server.loopback_target("http://127.0.0.1:8000") == ("127.0.0.1", 8000)
+    assert fuzz_server.loopback_target("http://localhost:9")[1] == 9
+    for url in ("http://10.0.0.1:8000", "http://192.168.1.1", "https://127.0.0.1:1",
+                "ftp://127.0.0.1"):
+        with pytest.raises(SystemExit, match="loopback|http://"):
+            fuzz_server.loopback_target(url)
