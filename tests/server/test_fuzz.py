@@ -6,8 +6,10 @@ The cases come from scripts/fuzzcases.py, the generators scripts/fuzz_server.py 
 thousand against a real server. Hypothesis draws a seed per example and the generators draw
 from ``random.Random(seed)``: handing them ``st.randoms()`` instead made 41 distinct cases out
 of 130 (its draws cluster near zero), a seed makes 130. A seed's case is not shrunk (a smaller
-seed is just another case); the failing case is printed whole as a curl line (``note``), and
-``derandomize`` makes CI run the same seeds every time.
+seed is just another case); the failing case is printed as a curl line (``note``), and
+``derandomize`` makes CI run the same seeds every time. To replay the seed hypothesis names:
+``fuzzcases.generation_case(random.Random(seed), "small", route=..., max_tokens=MAX_TOKENS,
+long_max=LONG_MAX)`` (or the test's own generator) gives its case again.
 
 The server is `tandem serve`'s own coroutine (tandem.serve.serve) over the small real model, on
 its own loop in a thread, one per test function; after a case that went wrong it is started
@@ -42,8 +44,8 @@ START_TIMEOUT_S = 120.0
 
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
                 phases=[Phase.explicit, Phase.generate],
-                suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                       HealthCheck.too_slow])
+                # one server serves every example of a test: that is the point
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
 SEEDS = st.integers(0, 2 ** 64 - 1)
 
 
