@@ -17,6 +17,10 @@ from aiohttp import web
 
 log = structlog.get_logger("tandem.server")
 
+# A 503 that has no estimate of its own (a stopped actor, a cancelled request): a client that
+# honours Retry-After comes back after this long.
+DEFAULT_RETRY_AFTER_S = 1.0
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -53,8 +57,11 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        retry_after_s = self.retry_after_s
+        if retry_after_s is None and self.status == 503:
+            retry_after_s = DEFAULT_RETRY_AFTER_S  # every 503 says when to come back
+        if retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(retry_after_s)))
         resp = web.json_response(self.body(), status=self.status, headers=headers)
         if self.close:
             resp.force_close()

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tandem.actors import ActorStopped
 from tandem.actors.governor import GetMemoryReport, MemoryReport, SetMemoryLimits
 from tandem.cache.governor import gib_nbytes
 from tandem.server.body import read_json
@@ -74,8 +75,19 @@ def _governor(request: web.Request):
     return actor
 
 
+async def _ask(governor, msg):
+    """The governor's reply; a governor that stopped or does not answer is a 503."""
+    try:
+        return await governor.ask(msg, 5.0, sender="server")
+    except ActorStopped:
+        raise ApiError(503, "the memory governor has stopped", code="governor_stopped") from None
+    except TimeoutError:
+        raise ApiError(503, "the memory governor did not answer in time", code="governor_busy",
+                       retry_after_s=5.0) from None
+
+
 async def memory_report(request: web.Request) -> web.Response:
-    reply = await _governor(request).ask(GetMemoryReport(), 5.0, sender="server")
+    reply = await _ask(_governor(request), GetMemoryReport())
     return web.json_response(reply.report)
 
 
@@ -92,7 +104,7 @@ async def set_memory_limits(request: web.Request) -> web.Response:
             gib_nbytes(key, value)  # the governor checks the set again, and against the machine
         except ValueError as e:
             raise bad_request(str(e), param=key, code="invalid_limits") from None
-    reply: MemoryReport = await governor.ask(SetMemoryLimits(**body), 5.0, sender="server")
+    reply: MemoryReport = await _ask(governor, SetMemoryLimits(**body))
     if reply.error is not None:
         raise bad_request(reply.error, code="invalid_limits")
     return web.json_response(reply.report)

@@ -94,3 +94,32 @@ async def test_a_body_really_gzipped_is_read(small_loaded, make_config, serve):
             b"/v1/chat/completions", gzip.compress(json.dumps(CHAT).encode()),
             b"Content-Encoding: gzip"))
         assert status == 200, doc
+
+
+async def test_a_governor_that_stopped_is_a_503_with_retry_after(
+        small_loaded, make_config, serve, monkeypatch):
+    from tandem.actors import ActorStopped
+    from tandem.server.keys import SUPERVISOR
+
+    app = build_app(make_config(), small_loaded)
+    async with serve(app) as server:
+        async def stopped(*args, **kwargs):
+            raise ActorStopped("governor")
+
+        monkeypatch.setattr(app[SUPERVISOR].actors["governor"], "ask", stopped)
+        base = f"http://127.0.0.1:{server.port}"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + "/v1/memory") as r:
+                assert r.status == 503
+                assert int(r.headers["Retry-After"]) >= 1
+                assert (await r.json())["error"]["code"] == "governor_stopped"
+            async with http.get(base + "/health") as r:
+                assert r.status == 200
+
+
+def test_every_503_says_when_to_come_back():
+    from tandem.server.errors import ApiError
+
+    assert ApiError(503, "the engine has stopped").response().headers["Retry-After"] == "1"
+    assert ApiError(503, "busy", retry_after_s=7.2).response().headers["Retry-After"] == "7"
+    assert "Retry-After" not in ApiError(400, "bad").response().headers
