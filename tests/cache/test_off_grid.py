@@ -44,7 +44,7 @@ def _prefill_checked(rig: Rig, model, prompt: list[int]):
     a cold prefill's logits, state and rows, bit for bit."""
     resume = rig.resident.begin(prompt, 16)
     taint = rig.engine.taint
-    exact = resume.source == "resident" and (taint is None or taint >= resume.start)
+    exact = resume.source in ("resident", "pin") and (taint is None or taint >= resume.start)
     logits = rig.engine.prefill(prompt, on_chunk=rig.resident.on_chunk)
     rig.resident.finish()
     rig.resident.check_invariants()
@@ -116,3 +116,27 @@ def test_a_resume_on_a_grid_line_leaves_taint_unset(model):
     p3 = p2[:200] + tokens(v, 60, 3)
     _, _, exact = _prefill_checked(rig, model, p3)
     assert exact
+
+
+def test_a_pin_swapped_in_over_off_grid_rows_puts_its_own_rows_back(model):
+    """The pin comes back over rows in place that share its tokens but were written after an
+    off-grid resume (taint 130): those rows, and the anchor over them, are not its cold rows,
+    so the pin's copies replace them from the grid line under taint, and a resume reported
+    bit-exact there is a cold prefill's."""
+    v = model.vocab_size
+    rig = Rig(model)
+    x = tokens(v, 300, 1)
+    rig.prefill(x, session="a")  # cold, anchors up to 256
+    rig.prefill(tokens(v, 100, 9), session="a")  # a compaction: the head up to 256 is pinned
+    assert rig.resident.pinned is not None and 4 * CHUNK in rig.resident.pinned.anchors
+    for prompt in (x[:130], x[:200]):  # one token each: the second resumes at 130, off grid
+        resume = rig.resident.begin(prompt, 1, "a")
+        rig.engine.generate(prompt, SamplingParams(max_tokens=1), on_chunk=rig.resident.on_chunk)
+        rig.resident.finish()
+    assert (resume.source, rig.engine.taint) == ("end", 130)
+    resume, _, exact = _prefill_checked(rig, model, x[:280] + tokens(v, 20, 3))
+    assert (resume.source, resume.start) == ("pin", 4 * CHUNK)
+    assert exact or rig.engine.taint is not None
+    # The anchor at 192 the off-grid chunk took went with those rows.
+    resume, _, exact = _prefill_checked(rig, model, x[:195] + tokens(v, 20, 4))
+    assert resume.start != 3 * CHUNK or exact
