@@ -3,7 +3,8 @@
 The rows in place are ``token_ids[:length]``. A prefill forwards what follows them in chunks whose
 ends are multiples of ``prefix_chunk`` counted from token 0 (the last chunk partial), so a prefill
 resumed at a grid line runs exactly the shapes a cold one ran and writes the same bits (gate 1).
-Rows written by decoding are marked by ``taint``: state above it is held to the greedy gate.
+Rows written by decoding, or by a prefill resumed off the grid, are marked by ``taint``: state
+above it is held to the greedy gate.
 
 Only the engine actor calls an Engine; it is synchronous and owns every buffer it allocates.
 """
@@ -241,7 +242,9 @@ class Engine:
         self.prefix_chunk = prefix_chunk
         self.state = model.new_state(window)
         self.token_ids: list[int] = []
-        self.taint: int | None = None  # lowest row written by decoding, None when none was
+        # The lowest row written by decoding or by a prefill resumed off the grid (state from
+        # it on is not a cold grid prefill's); None when none was.
+        self.taint: int | None = None
         self.pending: PendingCommit | None = None
 
     # -- the adapter interface (DESIGN.md) -------------------------------------------------
@@ -341,6 +344,12 @@ class Engine:
         if list(token_ids[:n]) != self.token_ids:
             raise ValueError("the rows in place are not a prefix of the prompt; resume_at first")
         self.settle()
+        if n % self.prefix_chunk and (self.taint is None or self.taint > n):
+            # Resumed off the grid (a prompt's end no token was decoded after, a copy at a
+            # prompt's end): the chunk to the next line starts at n where a cold prefill's
+            # starts at the line below, so every row, anchor and snapshot from n on holds the
+            # greedy gate only. The one place for every resume path, since all prefill here.
+            self.taint = n
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         logits = None
         with torch.inference_mode():

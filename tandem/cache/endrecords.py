@@ -116,15 +116,29 @@ class EndRecords:
             self.record = None
             return
         in_rows = list(generated[:engine.length - len(served)])
-        previous = self.record
-        if previous is not None and (engine.token_ids[:len(previous.rows)] != previous.rows
-                                     or self._record_namespace != resident.namespace):
-            previous = None
+        previous = self._continued(engine.token_ids, resident.namespace)
         self.record = EndRecord.after_turn(previous, served, in_rows,
                                            hidden_in_generated=hidden_in_generated)
         self._record_namespace = resident.namespace
         if self.holds is not None:  # only a store's session snapshots are keyed by them
             self.recent.append((resident.namespace, self.record))
+
+    def _continued(self, rows: list[int], namespace: Namespace) -> EndRecord | None:
+        """The longest record the rows in place start with: the one in place, or a recent
+        turn's (a copy aligned with it and the store restored its session snapshot, while the
+        record in place was another conversation's). Its regions and hidden spans carry over
+        into the new record: without them a copy that leaves out the reasoning or the hidden
+        spans of the earlier turns aligns with the end no more, only with the older turn's
+        record, whose snapshot the store then restores whole and re-reads the rest from."""
+        candidates = [(self._record_namespace, self.record), *self.recent]
+        best: EndRecord | None = None
+        for record_namespace, record in candidates:
+            if record is None or record_namespace != namespace:
+                continue
+            n = len(record.rows)
+            if (best is None or n > len(best.rows)) and rows[:n] == record.rows:
+                best = record
+        return best
 
     def forget(self) -> None:
         """A failed forward: the rows in place are not trusted, nor what recorded them."""

@@ -501,7 +501,12 @@ class ResidentPrefix:
         if self._other_session(session, namespace) and eng.length > c:
             self._park_current(self._best_anchor(c))
         # Rows both prompts share stay; the rest of the head is copied back.
-        shared = min(self._shared_rows(pin.token_ids, namespace), line)
+        # Rows in place from taint on (decoded, or after an off-grid resume), and those of a
+        # partial chunk, are not the pin's cold rows though their tokens are: the pin's copies
+        # come back from the grid line under them.
+        shared = min(self._shared_rows(pin.token_ids, namespace), line,
+                     line if eng.taint is None else eng.taint)
+        shared -= shared % self.chunk
         # Set before the first write: a restore that fails half way leaves no copy of one
         # namespace's rows under another's name (abort cuts back to its anchors).
         self.namespace = namespace
