@@ -18,6 +18,7 @@ import pytest
 
 from tandem.config import CacheConfig, Config, SpeculationConfig
 from tandem.server.app import build_app
+from tandem.server.keys import JOURNAL
 
 CHAT = {"model": "small", "messages": [{"role": "user", "content": "Count to ten."}],
         "max_tokens": 8, "temperature": 0}
@@ -324,3 +325,30 @@ async def test_with_speculation_the_logprobs_are_plain_decodings(small_loaded, m
     for x, y in zip(a["top_logprobs"], b["top_logprobs"]):
         assert list(x) == list(y)
         assert all(math.isclose(x[k], y[k], abs_tol=1e-4) for k in x)
+
+
+async def test_an_echo_run_as_a_guest_puts_the_conversation_back(small_loaded, make_config,
+                                                                 serve):
+    """A short echo with logprobs after a long turn runs as a guest resumed at line 64, then
+    cold from token 0 (it writes the rows below its start again, with the same tokens): the
+    conversation's next turn resumes at its end anchor and answers as if no guest had come."""
+    long = list(range(1000, 1300))
+    said = "one two three four five"
+    tok = small_loaded.tokenizer
+    follow = long + tok.encode(said) + [tok.special_ids["<|im_end|>"], 5000, 5001]
+    config = quiet(make_config(allow_forced_output=True))
+    answers = []
+    for with_guest in (True, False):
+        app = build_app(config, small_loaded)
+        async with serve(app) as server:
+            await completion(server, long, tandem_forced_output=said)
+            if with_guest:
+                guest = await completion(server, long[:70], echo=True)
+                guest_row = app[JOURNAL].tail(1)[-1]
+            answers.append(await completion(server, follow))
+    after, alone = answers
+    assert guest["usage"]["tandem"]["cache"]["source"] == "cold"
+    assert guest_row["extra"]["guest"] is True
+    assert after["usage"]["tandem"]["cache"]["source"] == "end"
+    assert alone["usage"]["tandem"]["cache"]["source"] == "end"
+    assert after["choices"][0]["logprobs"] == alone["choices"][0]["logprobs"]
