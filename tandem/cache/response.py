@@ -7,10 +7,12 @@ a dictionary by accident.
 Pure logic: the server looks a request up before it asks the engine and stores what the engine
 sent for a generation that ran to its end. The key is every input that shapes the output: the
 prompt ids the client's request rendered to, the sampling parameters (stop ids, the reasoning
-budget, forced ids, the logprobs asked for) and the stop strings, and the request's cache namespace (its salt's digest,
-tandem/cache/namespace.py), so that one tenant is never answered from another's requests. Its
-digest only picks the entry; the stored prompt and parameters are compared element by element
-before an answer is given.
+budget, forced ids, the logprobs asked for) and the stop strings, and the request's cache
+namespace (its salt's digest, tandem/cache/namespace.py), so that one tenant is never answered
+from another's requests. Its digest only picks the entry; the stored prompt and parameters are
+compared element by element before an answer is given. An answer that carried logprobs keeps
+them and replays them; one without is never replayed to a request that asks for them (the
+logprobs fields are in the parameters, so in the key).
 """
 
 from __future__ import annotations
