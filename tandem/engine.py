@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tandem.logprobs import PromptScorer, TokenLogprob, score
 from tandem.models.base import CacheState, Cost, Model, ModelError
 from tandem.tokens import common_prefix
 
@@ -55,6 +56,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Logprobs (tandem.logprobs: the raw model's, before the processors and the sampler):
+    # None off, else how many top tokens each emitted token's entry lists; prompt_logprobs the
+    # same for the prompt's tokens, which makes the prefill start at token 0.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 0:
@@ -71,6 +77,9 @@ class SamplingParams:
         for token_id, bias in self.logit_bias:
             if token_id < 0 or not -100 <= bias <= 100:
                 raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be None or >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -103,6 +112,10 @@ class GenerationResult:
     timings: dict = field(default_factory=dict)
     drafted: int = 0  # tokens the drafter proposed
     accepted: int = 0  # of them, those the target agreed with
+    # With SamplingParams.logprobs: one entry a token of token_ids; with prompt_logprobs: one a
+    # prompt token after the first.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def decode_tok_s(self) -> float:
@@ -328,12 +341,14 @@ class Engine:
         return common_prefix(list(token_ids), self.token_ids)
 
     def prefill(self, token_ids: Sequence[int],
-                on_chunk: Callable[[int], None] | None = None) -> torch.Tensor:
+                on_chunk: Callable[[int], None] | None = None,
+                scorer: PromptScorer | None = None) -> torch.Tensor:
         """Forward ``token_ids`` past the rows in place, on the grid; the last position's logits.
 
         The rows in place must be a prefix of ``token_ids`` (a cache resumed the engine there);
         at least one token must be new, since the logits come from forwarding it.
         ``on_chunk(end)`` runs after each chunk, with the engine at length ``end``.
+        ``scorer`` gets every forwarded position's logits (it needs the prefill from token 0).
         """
         n = self.length
         if len(token_ids) > self.window:
@@ -354,7 +369,13 @@ class Engine:
         logits = None
         with torch.inference_mode():
             for start, end in grid_chunks(n, len(token_ids), self.prefix_chunk):
-                logits = self.model.forward(self.state, ids[start:end], start)
+                if scorer is None:
+                    logits = self.model.forward(self.state, ids[start:end], start)
+                else:
+                    logits = self.model.forward(
+                        self.state, ids[start:end], start,
+                        on_logits=lambda first, rows, at=start: scorer.rows(at + first, rows))
+                    scorer.last(end - 1, logits)
                 self.token_ids.extend(int(t) for t in ids[start:end])
                 if on_chunk is not None:
                     on_chunk(end)
@@ -405,7 +426,10 @@ class Engine:
                  on_chunk: Callable[[int], None] | None = None,
                  force: Callable[[list[int]], int | None] | None = None,
                  draft: Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 0) -> GenerationResult:
+                 draft_max: int = 0,
+                 on_logprobs: Callable[[TokenLogprob], None] | None = None,
+                 on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+                 ) -> GenerationResult:
         """Prefill the prompt (resuming over the rows in place it shares), then decode.
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
@@ -421,6 +445,13 @@ class Engine:
         a seed gives the tokens it gives without speculation), so the output is the target's.
         A generation that stops inside an accepted block leaves the rows ahead of its output in
         a pending commit (``trim_pending`` cuts them back).
+
+        With ``params.logprobs``, ``on_logprobs(entry)`` sees each emitted token's entry just
+        before ``on_token`` sees the token; the entry comes from the logits of the position
+        that produced the token (a verify block's row for a draft it accepted), so speculation
+        reports plain decoding's logprobs up to the verify forward's rounding (its arithmetic
+        is not decode's: about 1e-5 apart on the test models). With ``params.prompt_logprobs``,
+        ``on_prompt_logprobs(entries)`` runs once after the prefill, before the first token.
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
@@ -431,9 +462,19 @@ class Engine:
             # Only the grid-aligned state of the rows in place is known; without a cache
             # holding a copy at ``reuse`` the engine starts again from token 0.
             reuse = 0
+        scorer = None
+        if params.prompt_logprobs is not None:
+            # Every prompt position's logits are wanted, and the rows a cache resumed the
+            # engine over were never forwarded here: the prompt runs cold, on the grid, over
+            # rows of the same tokens (the anchors it passes are taken again, cold).
+            reuse = 0
+            scorer = PromptScorer(torch.as_tensor(list(prompt_ids), dtype=torch.long),
+                                  params.prompt_logprobs)
         self.resume_at(reuse)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, on_chunk=on_chunk)
+        logits = self.prefill(prompt_ids, on_chunk=on_chunk, scorer=scorer)
+        if scorer is not None and on_prompt_logprobs is not None:
+            on_prompt_logprobs(scorer.entries)
         t1 = time.perf_counter()
         sampler = Sampler(params)
         processors = LogitsProcessors.for_params(params)
@@ -442,15 +483,24 @@ class Engine:
         finish, stop_token = "length", None
         stops = set(params.stop_token_ids)
         drafted = accepted = 0
+        num_top = params.logprobs
+        logprobs: list[TokenLogprob] | None = None if num_top is None else []
 
-        def take(token: int) -> bool:
-            """Emit one token; True when the generation ends with it."""
+        def scored(logits: torch.Tensor, token: int) -> TokenLogprob | None:
+            return None if num_top is None else score(logits, token, num_top)
+
+        def take(token: int, entry: TokenLogprob | None = None) -> bool:
+            """Emit one token (``entry``: its logprobs); True when the generation ends with it."""
             nonlocal finish, stop_token
             if token in stops:
                 finish, stop_token = "stop", token
                 return True
             out.append(token)
             context.append(token)
+            if entry is not None:
+                logprobs.append(entry)
+                if on_logprobs is not None:
+                    on_logprobs(entry)
             if on_token is not None and on_token(token):
                 finish = "stop"
                 return True
@@ -474,10 +524,11 @@ class Engine:
             return sampler(logits)
 
         token = target(logits, out) if params.max_tokens > 0 else None
+        entry = scored(logits, token) if token is not None else None
         k_floor = min(DRAFT_FLOOR, draft_max)
         k = k_floor
         while token is not None:
-            if take(token):
+            if take(token, entry):
                 break
             if should_cancel is not None and should_cancel():
                 finish = "cancelled"
@@ -489,7 +540,9 @@ class Engine:
             room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, k)
             drafts = list(draft(context, room))[:room] if draft is not None and room > 0 else []
             if not drafts:
-                token = target(self.decode(token), out)
+                logits = self.decode(token)
+                token = target(logits, out)
+                entry = scored(logits, token)
                 continue
             block = self.verify([token] + drafts)
             drafted += len(drafts)
@@ -502,15 +555,20 @@ class Engine:
                 count += 1
             if token is None:  # every draft accepted: the block's last logits give one more
                 token = target(block[len(drafts)], out + drafts)
+            # Row i of the block produced the token after its i-th input: drafts[i] when
+            # accepted, and the block's next token at row ``count``.
+            draft_entries = [scored(block[i], d) for i, d in enumerate(drafts[:count])]
+            entry = scored(block[count], token)
             self.accept(count)
             accepted += count
             # The draft length adapts: doubled after a block accepted whole, back to the
             # floor after a rejection, so a run of wrong drafts costs short blocks only.
             k = min(draft_max, 2 * k) if count == len(drafts) else k_floor
-            if any(take(d) for d in drafts[:count]):
+            if any(take(d, e) for d, e in zip(drafts[:count], draft_entries)):
                 break
         t2 = time.perf_counter()
         return GenerationResult(token_ids=out, finish_reason=finish, prompt_tokens=len(prompt_ids),
                                 reused_tokens=reuse, prefill_ms=(t1 - t0) * 1000,
                                 decode_ms=(t2 - t1) * 1000, stop_token=stop_token,
-                                drafted=drafted, accepted=accepted)
+                                drafted=drafted, accepted=accepted, logprobs=logprobs,
+                                prompt_logprobs=None if scorer is None else scorer.entries)

@@ -45,6 +45,7 @@ from tandem.actors.engine_messages import (
     GenerationRejected,
     GenerationStarted,
     PrefillAdmitted,
+    PromptLogprobs,
     ReleaseCaptureLock,
     RequestCaptureLock,
     TokenGenerated,
@@ -451,13 +452,28 @@ class EngineActor(Actor):
                      else None)
             speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
 
+        entry = None  # the logprobs of the token on_token sees next (the engine's order)
+
+        def on_logprobs(logprobs) -> None:
+            nonlocal entry
+            entry = logprobs
+
         def on_token(token_id: int) -> bool:
+            nonlocal entry
             index = job.generated
             job.generated = index + 1
             job.phase = "decode"
             hidden = budget is not None and index in budget.hidden_positions
-            self._post(job, TokenGenerated(job.request_id, token_id, index, hidden))
+            self._post(job, TokenGenerated(job.request_id, token_id, index, hidden, entry))
+            entry = None
             return False
+
+        scoring = {}
+        if params.logprobs is not None:
+            scoring["on_logprobs"] = on_logprobs
+        if params.prompt_logprobs is not None:
+            scoring["on_prompt_logprobs"] = lambda entries: self._post(
+                job, PromptLogprobs(job.request_id, entries))
 
         if resident is None:
             if self.governor is not None:
@@ -469,7 +485,7 @@ class EngineActor(Actor):
             try:
                 result = engine.generate(job.prompt_ids, params, on_token=on_token,
                                          should_cancel=job.cancel.is_set, force=force,
-                                         **speculate)
+                                         **speculate, **scoring)
             except BaseException:
                 # No copy exists to cut back to: the rows the request wrote (a forward may have
                 # stopped half way) must not be resumed over by the next prompt sharing them.
@@ -481,7 +497,9 @@ class EngineActor(Actor):
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
                             len(job.prompt_ids) - result.reused_tokens, None, budget)
         ends = self.ends
-        alignment = ends.align(job.prompt_ids, job.namespace) if ends is not None else None
+        # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
+        alignment = (ends.align(job.prompt_ids, job.namespace)
+                     if ends is not None and params.prompt_logprobs is None else None)
         served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
@@ -499,7 +517,8 @@ class EngineActor(Actor):
         try:
             result = engine.generate(served, params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,
-                                     on_chunk=planner.on_chunk, force=force, **speculate)
+                                     on_chunk=planner.on_chunk, force=force, **speculate,
+                                     **scoring)
             if ends is not None:
                 ends.follow_park(parked_before, resume.source == "park")
             planner.finish(served + result.token_ids, job.session, job.namespace)
@@ -512,6 +531,10 @@ class EngineActor(Actor):
         self._publish_cache_stats()
         if alignment is not None and alignment.served is job.prompt_ids:
             alignment = None
+        if params.prompt_logprobs is not None:
+            # The engine ran the prompt cold whatever the tiers restored (tandem.engine:
+            # prompt logprobs need every position forwarded): usage says so.
+            return _Outcome(result, "cold", resume.guest, len(served), alignment, budget)
         return _Outcome(result, resume.source, resume.guest, len(served) - resume.start,
                         alignment, budget)
 
@@ -645,7 +668,8 @@ def _sampling(p: GenerationParams) -> SamplingParams:
                           top_k=p.top_k, seed=p.seed, stop_token_ids=tuple(p.stop_token_ids),
                           presence_penalty=p.presence_penalty,
                           frequency_penalty=p.frequency_penalty,
-                          logit_bias=tuple(tuple(pair) for pair in p.logit_bias))
+                          logit_bias=tuple(tuple(pair) for pair in p.logit_bias),
+                          logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
 
 
 def _recover(cut_back: Callable[[], None]) -> None:

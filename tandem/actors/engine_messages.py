@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from tandem.actors.messages import Message
+from tandem.logprobs import TokenLogprob
 
 
 class GenerationParams(msgspec.Struct, frozen=True):
@@ -39,6 +40,11 @@ class GenerationParams(msgspec.Struct, frozen=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Logprobs of the raw model (tandem.logprobs): None off, else the top count of each
+    # generated token's entry; prompt_logprobs the same for the prompt (echo), which runs the
+    # prefill cold. Part of the response cache's key, as every field here.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 # -- generation ------------------------------------------------------------------------------
@@ -108,6 +114,16 @@ class TokenGenerated(Message):
     token_id: int
     index: int  # 0 for the first generated token
     hidden: bool = False  # in the rows, never shown to the client nor counted in usage
+    logprobs: TokenLogprob | None = None  # when the params ask for them
+
+
+class PromptLogprobs(Message):
+    """Sender: the engine thread, to the request's sink, after the prefill of a request whose
+    params ask for prompt logprobs, before its first `TokenGenerated`. ``entries[i]`` scores
+    prompt token i + 1 (the first token has none)."""
+
+    request_id: str
+    entries: list[TokenLogprob]
 
 
 class GenerationFinished(Message):

@@ -7,10 +7,12 @@ a dictionary by accident.
 Pure logic: the server looks a request up before it asks the engine and stores what the engine
 sent for a generation that ran to its end. The key is every input that shapes the output: the
 prompt ids the client's request rendered to, the sampling parameters (stop ids, the reasoning
-budget, forced ids) and the stop strings, and the request's cache namespace (its salt's digest,
-tandem/cache/namespace.py), so that one tenant is never answered from another's requests. Its
-digest only picks the entry; the stored prompt and parameters are compared element by element
-before an answer is given.
+budget, forced ids, the logprobs asked for) and the stop strings, and the request's cache
+namespace (its salt's digest, tandem/cache/namespace.py), so that one tenant is never answered
+from another's requests. Its digest only picks the entry; the stored prompt and parameters are
+compared element by element before an answer is given. An answer that carried logprobs keeps
+them and replays them; one without is never replayed to a request that asks for them (the
+logprobs fields are in the parameters, so in the key).
 """
 
 from __future__ import annotations
@@ -31,10 +33,19 @@ ENTRY_OVERHEAD_NBYTES = 512  # the entry's objects beside its token arrays
 @dataclass(frozen=True)
 class CachedResponse:
     """What the engine sent: every generated token (with its hidden flag) and its last event's
-    fields (a GenerationFinished as builtins)."""
+    fields (a GenerationFinished as builtins); for a request that asked for them, each token's
+    logprobs and the prompt's (tandem.logprobs.TokenLogprob), replayed as they came."""
 
     tokens: tuple[tuple[int, bool], ...]
     finished: dict[str, Any]
+    logprobs: tuple[Any, ...] | None = None  # one a token, or None when not asked for
+    prompt_logprobs: tuple[Any, ...] | None = None
+
+    def logprobs_nbytes(self) -> int:
+        """What the entries hold: a token id and a float each, and the same per top pair."""
+        entries = [e for e in (self.logprobs or ()) + (self.prompt_logprobs or ())
+                   if e is not None]
+        return sum(16 * (1 + len(e.top)) + 64 for e in entries)
 
 
 @dataclass
@@ -94,7 +105,7 @@ class ResponseCache:
             return False
         key = self._params_key(params, stops, namespace)
         nbytes = 8 * (len(prompt_ids) + 2 * len(response.tokens)) + len(key) \
-            + ENTRY_OVERHEAD_NBYTES
+            + response.logprobs_nbytes() + ENTRY_OVERHEAD_NBYTES
         if nbytes > self.budget_nbytes:
             self.too_big += 1
             return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -90,10 +90,14 @@ class Model(Protocol):
 
     def new_state(self, window: int) -> ModelState: ...
 
-    def forward(self, state: ModelState, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+    def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
+                decode: bool = False,
+                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         """Forward ``token_ids`` at positions ``start..start+len`` over rows ``0..start`` already
         in ``state``; write their rows and advance the sections. Returns the last position's
-        logits in fp32 ``[vocab]``."""
+        logits in fp32 ``[vocab]``. ``on_logits(i, rows)`` (prompt logprobs) gets the fp32
+        logits of every other position, in order and in slices (``rows[j]`` is position
+        ``start + i + j``); the last position's logits are computed as without it."""
         ...
 
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,

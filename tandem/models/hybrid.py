@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from tandem.models import checkpoint
 from tandem.models.base import Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
 
 
 @dataclass(frozen=True)
@@ -319,9 +321,18 @@ class HybridModel:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
-                decode: bool = False) -> torch.Tensor:
+                decode: bool = False,
+                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         x = self._layers(state, token_ids, start, "decode" if decode else "prefill", None)
-        last = rms_norm(x[-1:], self.w["norm.weight"], self.config.rms_norm_eps)
+        eps = self.config.rms_norm_eps
+        if on_logits is not None:
+            # Every position but the last, a slice at a time: a chunk's logits whole are
+            # chunk x vocab floats (1 GiB at 1,024 x 248k).
+            for a in range(0, x.shape[0] - 1, LOGITS_SLICE):
+                b = min(a + LOGITS_SLICE, x.shape[0] - 1)
+                rows = rms_norm(x[a:b], self.w["norm.weight"], eps)
+                on_logits(a, F.linear(rows, self.w["lm_head.weight"]).float())
+        last = rms_norm(x[-1:], self.w["norm.weight"], eps)
         return F.linear(last, self.w["lm_head.weight"]).float()[0]
 
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,

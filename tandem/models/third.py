@@ -11,6 +11,8 @@ cache module that assumed ``gdn.S`` or a token axis of 2 would fail here:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -44,9 +46,10 @@ class ThirdModel:
                    "gate": View(torch.zeros(4, window, dtype=self.dtype), 1)})
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
-                decode: bool = False) -> torch.Tensor:
+                decode: bool = False,
+                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         h, m = state.sections["rnn.h"], state.sections["mix.m"]
-        return self._run(state, token_ids, start, h, m, None)[-1]
+        return self._run(state, token_ids, start, h, m, None, on_logits)[-1]
 
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
                        start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -57,7 +60,8 @@ class ThirdModel:
         return logits, {name: torch.stack(v) for name, v in steps.items()}
 
     def _run(self, state: ModelState, token_ids: torch.Tensor, start: int, h: torch.Tensor,
-             m: torch.Tensor, steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
+             m: torch.Tensor, steps: dict[str, list[torch.Tensor]] | None,
+             on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         w = self.w
         n = token_ids.shape[0]
         end = start + n
@@ -74,7 +78,7 @@ class ThirdModel:
         drive = F.linear(x, w["wh"]).float()
         mix = F.linear(x, w["wm"]).float()
         # Only the positions asked for are read out: the last one, or every one in a verify.
-        read = range(n) if steps is not None else range(n - 1, n)
+        read = range(n) if steps is not None or on_logits is not None else range(n - 1, n)
         lasts = []
         for t in range(n):  # the recurrence, token by token
             h.mul_(0.9).add_(torch.tanh(drive[t]))
@@ -85,6 +89,11 @@ class ThirdModel:
                 steps["mix.m"].append(m.clone())
             if t in read:
                 lasts.append(attn[t].float() + h + m[1].sum(-1))
+        if on_logits is not None:
+            # The others apart, so that the last position's logits are the ones without.
+            if n > 1:
+                on_logits(0, F.linear(torch.stack(lasts[:-1]).to(self.dtype), w["out"]).float())
+            lasts = lasts[-1:]
         return F.linear(torch.stack(lasts).to(self.dtype), w["out"]).float()
 
     def cost(self, window: int, prefix_chunk: int = 1024) -> Cost:

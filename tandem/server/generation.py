@@ -30,10 +30,12 @@ from tandem.actors.engine_messages import (
     GenerationRejected,
     GenerationStarted,
     PrefillAdmitted,
+    PromptLogprobs,
     TokenGenerated,
 )
 from tandem.cache.namespace import namespace_of
 from tandem.cache.response import CachedResponse
+from tandem.logprobs import TokenLogprob
 from tandem.server.errors import ApiError
 from tandem.server.journal import RequestRow
 from tandem.server.state import ServerState
@@ -159,7 +161,14 @@ class Run:
         self.text = ""
         self._closed = False
         self._generated: list[tuple[int, bool]] = []  # every engine token, for the response cache
+        self._generated_logprobs: list[TokenLogprob | None] = []  # theirs, for the same
         self.from_memory = False  # answered by the response cache, the engine never asked
+        # With params.logprobs: the entry of each token in token_ids; ``take_logprobs`` hands
+        # out the ones a stream has not sent yet.
+        self.logprobs: list[TokenLogprob] = []
+        self._logprobs_sent = 0
+        # With params.prompt_logprobs: entry i scores prompt token i + 1 (PromptLogprobs).
+        self.prompt_logprobs: list[TokenLogprob] | None = None
 
     # -- the engine ------------------------------------------------------------------------
 
@@ -173,8 +182,11 @@ class Run:
         put = self._events.put_nowait
         put(GenerationStarted(self.request_id, len(self.prompt_ids), 0.0))
         put(PrefillAdmitted(self.request_id))
-        for index, (token_id, hidden) in enumerate(hit.tokens):
-            put(TokenGenerated(self.request_id, token_id, index, hidden))
+        if hit.prompt_logprobs is not None:
+            put(PromptLogprobs(self.request_id, list(hit.prompt_logprobs)))
+        entries = hit.logprobs or (None,) * len(hit.tokens)
+        for index, ((token_id, hidden), entry) in enumerate(zip(hit.tokens, entries)):
+            put(TokenGenerated(self.request_id, token_id, index, hidden, entry))
         put(msgspec.structs.replace(hit.finished, request_id=self.request_id))
         self.started = self.from_memory = True
         return True
@@ -187,7 +199,11 @@ class Run:
             tuple(self._generated), msgspec.structs.replace(
                 msg, cache_source="response", reused_tokens=len(self.prompt_ids),
                 reread_tokens=0, prefill_ms=0.0, guest=False, aligned=None, end_replayed=0,
-                drafted=0, accepted=0)), self.namespace)
+                drafted=0, accepted=0),
+            logprobs=(tuple(self._generated_logprobs) if self.params.logprobs is not None
+                      else None),
+            prompt_logprobs=(None if self.prompt_logprobs is None
+                             else tuple(self.prompt_logprobs))), self.namespace)
 
     async def start(self) -> None:
         if self._answer_from_memory():
@@ -241,6 +257,8 @@ class Run:
                     raise _failure_error(msg)
                 case GenerationStarted():
                     pass
+                case PromptLogprobs(entries=entries):
+                    self.prompt_logprobs = entries
                 case _:
                     # An engine that never admits (a test double): what came is read first.
                     self._held.append(msg)
@@ -256,9 +274,12 @@ class Run:
             msg = await self._next_event()
             if isinstance(msg, TokenGenerated):
                 self._generated.append((msg.token_id, msg.hidden))
+                self._generated_logprobs.append(msg.logprobs)
             match msg:
                 case GenerationStarted() | PrefillAdmitted():
                     pass
+                case PromptLogprobs(entries=entries):
+                    self.prompt_logprobs = entries
                 case TokenGenerated(hidden=True):
                     pass  # in the rows, never in the answer nor in usage
                 case TokenGenerated(token_id=token_id):
@@ -268,6 +289,8 @@ class Run:
                         self.ttft_ms = (self._loop.time() - self.arrived_s) * 1000.0
                     self.completion_tokens += 1
                     self.token_ids.append(token_id)
+                    if msg.logprobs is not None:
+                        self.logprobs.append(msg.logprobs)
                     text = self._stops.feed(self._decoder.push(token_id))
                     if text:
                         self.text += text
@@ -289,6 +312,34 @@ class Run:
                     self.ended = True
                     self.finish_reason = "error"
                     raise _failure_error(msg)
+
+    async def scored_prompt(self) -> list[TokenLogprob]:
+        """The prompt's logprobs (params.prompt_logprobs), waiting for them: a stream sends
+        the echoed prompt first. Events read past on the way stay queued for ``texts``."""
+        for msg in self._held:
+            if isinstance(msg, PromptLogprobs):
+                self.prompt_logprobs = msg.entries
+        while self.prompt_logprobs is None:
+            msg = await self._events.get()
+            match msg:
+                case PromptLogprobs(entries=entries):
+                    self.prompt_logprobs = entries
+                case GenerationFailed():
+                    self.ended = True
+                    self.finish_reason = "error"
+                    raise _failure_error(msg)
+                case _:
+                    self._held.append(msg)
+                    if isinstance(msg, GenerationFinished):
+                        raise ApiError(500, "the engine sent no prompt logprobs",
+                                       type="server_error", code="engine_error")
+        return self.prompt_logprobs
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The entries of the tokens read since the last call (a stream's next chunk)."""
+        new = self.logprobs[self._logprobs_sent:]
+        self._logprobs_sent = len(self.logprobs)
+        return new
 
     async def _wait_after_cancel(self) -> None:
         """A stop string matched: cancel and take the engine's last event (it holds the

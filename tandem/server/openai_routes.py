@@ -33,6 +33,7 @@ from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
 from tandem.server.guard import require_admin
 from tandem.server.journal import RequestRow
+from tandem.server.logprobs_json import LogprobsWriter
 from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling, decode_body
 from tandem.server.sessions import session_key
 from tandem.server.state import STATE, ServerState
@@ -246,6 +247,8 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     _check_room(req.limit, "max_completion_tokens" if req.max_completion_tokens is not None
                 else "max_tokens", len(prompt_ids), window, "messages")
     params = _params(req, state, req.limit, window - len(prompt_ids) + 1)
+    if req.logprobs:
+        params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
     return req, prompt_ids, params, stops, {"thinking": req.enable_thinking}
 
 
@@ -274,13 +277,15 @@ def _chunk(ctx: _Request, run: Run, choices: list[dict], usage: dict | None = No
     return b"data: " + _json.encode(doc) + b"\n\n"
 
 
-def _delta(delta: dict, finish_reason: str | None = None) -> list[dict]:
-    return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+def _delta(delta: dict, finish_reason: str | None = None,
+           logprobs: dict | None = None) -> list[dict]:
+    return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
 
 
 async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extra: dict,
                        ) -> web.StreamResponse:
     thinking = extra["thinking"]
+    writer = LogprobsWriter(ctx.state.tokenizer) if req.logprobs else None
     if not req.stream:
         text = "".join([t async for t in run.texts()])
         parsed = parse_output(text, thinking=thinking)
@@ -296,7 +301,8 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
             "id": run.request_id, "object": "chat.completion",
             "created": ctx.state.created_now(), "model": ctx.state.model_name,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": writer.chat(run.logprobs) if writer else None,
                          "finish_reason": finish}],
             "usage": run.usage(),
         })
@@ -317,7 +323,10 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
                 case ToolCallParsed(index=i, tool_call=call):
                     num_calls += 1
                     delta = {"tool_calls": [{"index": i, **call}]}
-            await stream.write(_chunk(ctx, run, _delta(delta), with_usage=include_usage))
+            # A chunk carries the entries of the tokens read since the last one.
+            logprobs = writer.chat(run.take_logprobs()) if writer else None
+            await stream.write(_chunk(ctx, run, _delta(delta, logprobs=logprobs),
+                                      with_usage=include_usage))
 
     # Headers and the role go out once the engine admitted the prefill: until then the memory
     # governor may still refuse it, which is a 503 with Retry-After, not a broken stream.
@@ -329,7 +338,9 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
             await send(parser.feed(text))
         await send(parser.finish())
         finish = _chat_finish(run.finish_reason, num_calls > 0)
-        await stream.write(_chunk(ctx, run, _delta({}, finish), with_usage=include_usage))
+        logprobs = writer.chat(run.take_logprobs()) if writer else None
+        await stream.write(_chunk(ctx, run, _delta({}, finish, logprobs),
+                                  with_usage=include_usage))
         if include_usage:
             await stream.write(_chunk(ctx, run, [], run.usage(), with_usage=True))
     except ApiError as e:
@@ -402,7 +413,14 @@ async def _prepare_completion(ctx: _Request, body: dict[str, Any]):
     _check_room(req.max_tokens, "max_tokens", len(prompt_ids), window, "prompt")
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _params(req, state, limit, window - len(prompt_ids) + 1)
-    return req, prompt_ids, params, stops, {}
+    extra = {}
+    if req.logprobs is not None:
+        params = msgspec.structs.replace(
+            params, logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)
+    if req.echo:
+        extra["echo"] = prompt if isinstance(prompt, str) else await asyncio.to_thread(
+            state.tokenizer.decode, prompt_ids)
+    return req, prompt_ids, params, stops, extra
 
 
 def _text_ids(state: ServerState, prompt: str) -> list[int]:
@@ -420,10 +438,32 @@ def _completion_doc(ctx: _Request, run: Run, choices: list[dict]) -> dict:
 
 async def _answer_completion(ctx: _Request, req: CompletionRequest, run: Run, extra: dict,
                              ) -> web.StreamResponse:
+    echo = extra.get("echo")
+    writer = LogprobsWriter(ctx.state.tokenizer) if req.logprobs is not None else None
+
+    def new_logprobs() -> dict | None:
+        if writer is None:
+            return None
+        entries = run.take_logprobs()
+        return writer.completion([e.token_id for e in entries], entries)
+
+    def echoed_logprobs() -> dict | None:
+        # The prompt's tokens, the first with nothing to score it (null, as OpenAI's).
+        if writer is None:
+            return None
+        return writer.completion(run.prompt_ids, [None, *run.prompt_logprobs])
+
     if not req.stream:
         text = "".join([t async for t in run.texts()])
         run.close(200)
-        doc = _completion_doc(ctx, run, [{"index": 0, "text": text, "logprobs": None,
+        logprobs = None
+        if writer is not None:
+            head = echoed_logprobs() if echo is not None else None  # offsets: the prompt first
+            logprobs = new_logprobs()
+            if head is not None:
+                logprobs = {k: head[k] + logprobs[k] for k in head}
+        doc = _completion_doc(ctx, run, [{"index": 0, "text": text if echo is None
+                                          else echo + text, "logprobs": logprobs,
                                           "finish_reason": _chat_finish(run.finish_reason,
                                                                         False)}])
         doc["usage"] = run.usage()
@@ -437,12 +477,17 @@ async def _answer_completion(ctx: _Request, req: CompletionRequest, run: Run, ex
         return b"data: " + _json.encode(doc) + b"\n\n"
 
     await run.admitted()  # a refusal before here is a 503, as for the chat stream
+    if echo is not None and writer is not None:
+        await run.scored_prompt()
     await stream.prepare()
     try:
-        async for text in run.texts():
-            await stream.write(chunk([{"index": 0, "text": text, "logprobs": None,
+        if echo is not None:
+            await stream.write(chunk([{"index": 0, "text": echo, "logprobs": echoed_logprobs(),
                                        "finish_reason": None}]))
-        await stream.write(chunk([{"index": 0, "text": "", "logprobs": None,
+        async for text in run.texts():
+            await stream.write(chunk([{"index": 0, "text": text, "logprobs": new_logprobs(),
+                                       "finish_reason": None}]))
+        await stream.write(chunk([{"index": 0, "text": "", "logprobs": new_logprobs(),
                                    "finish_reason": _chat_finish(run.finish_reason, False)}]))
         if req.include_usage:
             await stream.write(chunk([], run.usage()))

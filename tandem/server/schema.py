@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI routes as msgspec Structs, and their checks.
 
 Unknown fields are ignored (clients send many harmless ones: ``user``, ``metadata``, ...); fields that would change the answer in a way tandem cannot honour are refused with a
-400 naming the parameter (``n`` > 1, ``logprobs``, a JSON ``response_format``, a forced
-``tool_choice``, ``echo``, ``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
+400 naming the parameter (``n`` > 1, a JSON ``response_format``, a forced ``tool_choice``,
+``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from tandem.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 from tandem.server.errors import ApiError, bad_request
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -101,14 +102,15 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     def check(self) -> None:
         self.check_common()
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
+        if self.top_logprobs is not None and not self.logprobs:
+            # OpenAI's and vLLM's answer: top_logprobs is a part of logprobs.
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise bad_request("response_format other than text is not supported",
                               "response_format", "unsupported_parameter")
@@ -132,17 +134,15 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: str | list[Any]
+    # echo: the prompt's text before the answer's; with logprobs, the prompt's logprobs too
+    # (the prompt then runs cold: tandem.engine).
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     best_of: PositiveInt | None = None
     suffix: str | None = None
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported_parameter")
-        if self.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs", "unsupported_parameter")
         if self.best_of is not None and self.best_of > 1:
             raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
         if self.suffix:
