@@ -396,7 +396,9 @@ class Engine:
                  on_chunk: Callable[[int], None] | None = None,
                  force: Callable[[list[int]], int | None] | None = None,
                  draft: Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 0) -> GenerationResult:
+                 draft_max: int = 0,
+                 on_prefill: Callable[[torch.Tensor], None] | None = None,
+                 logits: torch.Tensor | None = None) -> GenerationResult:
         """Prefill the prompt (resuming over the rows in place it shares), then decode.
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
@@ -412,19 +414,31 @@ class Engine:
         a seed gives the tokens it gives without speculation), so the output is the target's.
         A generation that stops inside an accepted block leaves the rows ahead of its output in
         a pending commit (``trim_pending`` cuts them back).
+
+        ``on_prefill(logits)`` runs once the prompt is forwarded, before its first token is
+        sampled, with the engine at the prompt's end and nothing pending (a cache keeps that
+        state). ``logits``: the prompt's last position's logits when the rows in place already
+        are the whole prompt (a cache restored its state there): nothing is forwarded and the
+        first token is sampled from them (read, never written).
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
         if len(prompt_ids) > self.window:
             raise ContextOverflow(len(prompt_ids), self.window)
-        reuse = min(self.common_prefix(prompt_ids), len(prompt_ids) - 1)
+        if logits is not None and self.token_ids != list(prompt_ids):
+            raise ValueError("initial logits need the whole prompt in place; resume_at first")
+        # At least one token is forwarded, since the logits come from it, unless they are given.
+        reuse = min(self.common_prefix(prompt_ids), len(prompt_ids) - (logits is None))
         if reuse < self.length:
             # Only the grid-aligned state of the rows in place is known; without a cache
             # holding a copy at ``reuse`` the engine starts again from token 0.
             reuse = 0
         self.resume_at(reuse)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, on_chunk=on_chunk)
+        if logits is None:
+            logits = self.prefill(prompt_ids, on_chunk=on_chunk)
+            if on_prefill is not None:
+                on_prefill(logits)
         t1 = time.perf_counter()
         sampler = Sampler(params)
         processors = LogitsProcessors.for_params(params)
