@@ -8,8 +8,8 @@ taken around its prefill (spec: "A request's way", "After a long generation").
 
 Order of preference, each taken only when it starts strictly later than the ones before it: the
 resident prefix's offer (anchors, the pinned head, the parked session, the end anchor, the
-prompt-end anchor: its own choice), then a state store entry. A guest's request never takes the store: its restore would
-write over resident rows no stash protects.
+prompt-end anchor: its own choice), then a state store entry. A guest's request never takes the
+store: its restore would write over resident rows no stash protects.
 
 Namespaces (tandem/cache/namespace.py): every offer is asked with the request's namespace, and
 each tier offers only copies of that namespace; what the prefill writes (anchors, prefix and
@@ -55,6 +55,8 @@ class Planner:
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
         resume = self._restore(served, max_tokens, session, namespace)
+        if self.governor is not None and resume.start >= len(served):
+            self.governor.after_prefill()  # nothing to forward: no chunk ends this prefill
         if self.store is not None:
             self.store.plan_prefix(served, resume.start, namespace)
         return resume
