@@ -256,6 +256,10 @@ class ResidentPrefix:
         if self._other_session(session, namespace) and eng.length > keep:
             self._park_current(keep)
         self.anchors_drop_above(keep)
+        # The restore writes every row under n: the prompt-end anchor's rows come back as the
+        # copy's, the same tokens but not always the same bits (its prompt's last chunk was
+        # partial here, and the copy's rows may follow an off-grid resume).
+        self.prompt_end = None
         self.end = None
         self.session = session
         self.namespace = namespace

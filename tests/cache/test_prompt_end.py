@@ -195,3 +195,25 @@ def test_after_a_speculative_turn_it_holds_the_state_before_any_verify_block():
     rig.planner.finish(prompt + result.token_ids, "s")
     rig.planner.check_invariants()
     assert result.token_ids == reference
+
+
+def test_a_store_restore_under_the_prompts_end_drops_it():
+    """A restore writes every row under its line: the prompt's rows come back as the stored
+    copy's (the same tokens, forwarded in a full chunk there, not in a partial last one: equal
+    bits on these CPU models, not promised by every kernel), so the prompt-end anchor over them
+    is dropped even where its tokens still match."""
+    model = ThirdModel()
+    v = model.vocab_size
+    rig = StoreRig(model)
+    longer = tokens(v, 300, 13)  # its prefill leaves a prefix snapshot at line 256
+    rig.turn(longer, session="s")
+    prompt = longer[:200]  # resumed at 192: rows [192, 200) are a partial chunk
+    rig.turn(prompt, session="s")
+    assert rig.resident.offer(prompt).source == "prompt_end"
+    other = longer[:256] + tokens(v, 40, 14)
+    resume = rig.planner.begin(other, 16, "s")
+    assert (resume.source, resume.start) == ("store", 256)
+    assert rig.resident.prompt_end is None
+    assert rig.resident.offer(prompt).source != "prompt_end"
+    rig.planner.abort()
+    rig.planner.check_invariants()
