@@ -137,6 +137,10 @@ class CacheConfig(_Section):
     end_anchor: Annotated[bool, Meta(description=(
         "Keep the state at the end of the last answer so the next turn resumes there."
         ))] = True
+    prompt_end_anchor: Annotated[bool, Meta(description=(
+        "Keep the state at the end of the last prompt, before its answer, and its last "
+        "position's logits, so the same prompt again (a regenerate, a retry) forwards nothing."
+        ))] = True
     end_align: Annotated[bool, Meta(description=(
         "Align a client's copy of the conversation with the end anchor's rows (re-tokenised "
         "text, compacted tool-call JSON, hidden spans put back), so it resumes there."

@@ -429,7 +429,8 @@ class Engine:
                  draft_max: int = 0,
                  on_logprobs: Callable[[TokenLogprob], None] | None = None,
                  on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
-                 ) -> GenerationResult:
+                 on_prefill: Callable[[torch.Tensor], None] | None = None,
+                 logits: torch.Tensor | None = None) -> GenerationResult:
         """Prefill the prompt (resuming over the rows in place it shares), then decode.
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
@@ -452,12 +453,21 @@ class Engine:
         reports plain decoding's logprobs up to the verify forward's rounding (its arithmetic
         is not decode's: about 1e-5 apart on the test models). With ``params.prompt_logprobs``,
         ``on_prompt_logprobs(entries)`` runs once after the prefill, before the first token.
+
+        ``on_prefill(logits)`` runs once the prompt is forwarded, before its first token is
+        sampled, with the engine at the prompt's end and nothing pending (a cache keeps that
+        state). ``logits``: the prompt's last position's logits when the rows in place already
+        are the whole prompt (a cache restored its state there): nothing is forwarded and the
+        first token is sampled from them (read, never written).
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
         if len(prompt_ids) > self.window:
             raise ContextOverflow(len(prompt_ids), self.window)
-        reuse = min(self.common_prefix(prompt_ids), len(prompt_ids) - 1)
+        if logits is not None and self.token_ids != list(prompt_ids):
+            raise ValueError("initial logits need the whole prompt in place; resume_at first")
+        # At least one token is forwarded, since the logits come from it, unless they are given.
+        reuse = min(self.common_prefix(prompt_ids), len(prompt_ids) - (logits is None))
         if reuse < self.length:
             # Only the grid-aligned state of the rows in place is known; without a cache
             # holding a copy at ``reuse`` the engine starts again from token 0.
@@ -467,14 +477,17 @@ class Engine:
             # Every prompt position's logits are wanted, and the rows a cache resumed the
             # engine over were never forwarded here: the prompt runs cold, on the grid, over
             # rows of the same tokens (the anchors it passes are taken again, cold).
-            reuse = 0
+            reuse, logits = 0, None
             scorer = PromptScorer(torch.as_tensor(list(prompt_ids), dtype=torch.long),
                                   params.prompt_logprobs)
         self.resume_at(reuse)
         t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids, on_chunk=on_chunk, scorer=scorer)
-        if scorer is not None and on_prompt_logprobs is not None:
-            on_prompt_logprobs(scorer.entries)
+        if logits is None:
+            logits = self.prefill(prompt_ids, on_chunk=on_chunk, scorer=scorer)
+            if scorer is not None and on_prompt_logprobs is not None:
+                on_prompt_logprobs(scorer.entries)
+            if on_prefill is not None:
+                on_prefill(logits)
         t1 = time.perf_counter()
         sampler = Sampler(params)
         processors = LogitsProcessors.for_params(params)

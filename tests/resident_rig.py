@@ -15,7 +15,7 @@ MiB = 1 << 20
 
 def budgets(**over) -> dict:
     out = {"anchors": 64 * MiB, "end": 8 * MiB, "stash": 64 * MiB, "park": 64 * MiB,
-           "pin": 64 * MiB}
+           "pin": 64 * MiB, "prompt_end": 8 * MiB}
     out.update(over)
     return out
 
@@ -44,7 +44,8 @@ class Rig:
              max_tokens: int = 16, namespace: str = SHARED) -> tuple[Resume, list[int]]:
         resume = self.resident.begin(prompt, max_tokens, session, namespace)
         result = self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens),
-                                      on_chunk=self.resident.on_chunk)
+                                      on_chunk=self.resident.on_chunk,
+                                      on_prefill=self.resident.on_prefill, logits=resume.logits)
         self.resident.finish()
         self.resident.check_invariants()
         return resume, result.token_ids

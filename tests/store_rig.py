@@ -52,7 +52,9 @@ class StoreRig:
         resume = self.planner.begin(prompt, max_tokens, session, namespace)
         result = self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens,
                                                              stop_token_ids=stops),
-                                      on_chunk=self.planner.on_chunk, **generate)
+                                      on_chunk=self.planner.on_chunk,
+                                      on_prefill=self.planner.on_prefill,
+                                      logits=resume.logits, **generate)
         self.planner.finish(list(prompt) + result.token_ids, session, namespace)
         self.planner.check_invariants()
         return resume, result.token_ids

@@ -517,8 +517,9 @@ class EngineActor(Actor):
         try:
             result = engine.generate(served, params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,
-                                     on_chunk=planner.on_chunk, force=force, **speculate,
-                                     **scoring)
+                                     on_chunk=planner.on_chunk, force=force,
+                                     on_prefill=planner.on_prefill, logits=resume.logits,
+                                     **speculate, **scoring)
             if ends is not None:
                 ends.follow_park(parked_before, resume.source == "park")
             planner.finish(served + result.token_ids, job.session, job.namespace)

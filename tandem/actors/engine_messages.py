@@ -131,7 +131,8 @@ class GenerationFinished(Message):
     ``finish_reason``: "stop" (a stop token), "length" (max_tokens or the window) or
     "cancelled"; ``reused_tokens``: the line the prefill resumed at (cached), in the served
     prompt's positions; ``cache_source``: what served the rows below it (cold, resident, end,
-    pin, park, store); ``guest``: the request ran as a guest (its rows were stashed and put back)."""
+    prompt_end, pin, park, store); ``guest``: the request ran as a guest (its rows were
+    stashed and put back)."""
 
     request_id: str
     finish_reason: str

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # Cheapest first: the order in which a governor sheds them.
-LEVELS = ("store", "anchors", "end", "stash", "park", "pin")
+LEVELS = ("store", "prompt_end", "anchors", "end", "stash", "park", "pin")
 
 
 @dataclass

@@ -2,13 +2,14 @@
 taken around its prefill (spec: "A request's way", "After a long generation").
 
     resume = planner.begin(served, max_tokens, session)  # may raise MemoryRefused
-    engine.generate(served, ..., on_chunk=planner.on_chunk)
+    engine.generate(served, ..., on_chunk=planner.on_chunk, on_prefill=planner.on_prefill,
+                    logits=resume.logits)
     planner.finish(served + generated, session)          # or planner.abort() on a failure
 
 Order of preference, each taken only when it starts strictly later than the ones before it: the
-resident prefix's offer (anchors, the pinned head, the parked session, the end anchor: its own
-choice), then a state store entry. A guest's request never takes the store: its restore would
-write over resident rows no stash protects.
+resident prefix's offer (anchors, the pinned head, the parked session, the end anchor, the
+prompt-end anchor: its own choice), then a state store entry. A guest's request never takes the
+store: its restore would write over resident rows no stash protects.
 
 Namespaces (tandem/cache/namespace.py): every offer is asked with the request's namespace, and
 each tier offers only copies of that namespace; what the prefill writes (anchors, prefix and
@@ -43,7 +44,7 @@ class Planner:
         self._prompt_len = 0
         if governor is not None:
             shedders = {level: partial(resident.shed, level)
-                        for level in ("anchors", "end", "stash", "park", "pin")}
+                        for level in ("prompt_end", "anchors", "end", "stash", "park", "pin")}
             if store is not None:
                 shedders["store"] = store.shed
             governor.attach(resident.memory, shedders, self.engine.cost())
@@ -54,6 +55,8 @@ class Planner:
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
         resume = self._restore(served, max_tokens, session, namespace)
+        if self.governor is not None and resume.start >= len(served):
+            self.governor.after_prefill()  # nothing to forward: no chunk ends this prefill
         if self.store is not None:
             self.store.plan_prefix(served, resume.start, namespace)
         return resume
@@ -85,6 +88,10 @@ class Planner:
             self.governor.observe()
             if end >= self._prompt_len:
                 self.governor.after_prefill()
+
+    def on_prefill(self, logits) -> None:
+        """After the prompt's prefill, before its first decode: the prompt-end anchor."""
+        self.resident.on_prefill(logits)
 
     def finish(self, committed_ids: Sequence[int] | None, session: str | None,
                namespace: Namespace = SHARED) -> None:

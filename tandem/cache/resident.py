@@ -8,7 +8,10 @@ chunk, and ``finish`` after the generation. Every copy goes through the adapter'
 ``cache_state()`` and is reserved with the memory accountant at its level before it is made.
 
 Exactness: a resume at a grid anchor at or below ``taint`` is a cold grid prefill's, bit for bit;
-a resume at the end anchor (or an anchor above taint) holds the greedy gate.
+a resume at the end anchor (or an anchor above taint) holds the greedy gate. The prompt-end
+anchor is the state its prompt's prefill left, copied before the first decode, with the last
+position's logits: the same prompt again forwards nothing and is that prefill's, bit for bit
+(when no row under it was decoded: otherwise the greedy gate of the run that wrote them).
 
 Namespaces (tandem/cache/namespace.py): the rows in place, and with them the anchors, the end
 anchor and the stash, belong to ``namespace``, set by the request whose prefill writes them; the
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
 import structlog
+import torch
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.keep import (End, Parked, Pinned, clone, make_park, pin_lines, plan_park,
@@ -60,14 +64,34 @@ class Resume:
     """Where a request's prefill starts and what served the rows below it."""
 
     start: int  # rows in place the prefill resumes at, in the served prompt's positions
-    source: str  # cold, resident, end, pin, park, or store (the planner's)
+    source: str  # cold, resident, end, prompt_end, pin, park, or store (the planner's)
     guest: bool = False
+    # prompt_end: the prompt's last position's logits (a copy the request owns); the engine
+    # samples the first token from them and forwards nothing.
+    logits: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def tier(self) -> str | None:
         if self.source == "cold":
             return None
         return "store" if self.source == "store" else "resident"
+
+
+@dataclass
+class PromptEnd:
+    """The prompt-end anchor: the sections after a prompt's prefill, before any decode, and the
+    last position's logits. Its rows are not copied: they are the rows in place [0, length),
+    which decoding only appends past. Valid while the rows in place start with ``token_ids``
+    and no row under ``length`` was written since (every path that writes below a line drops
+    the copies above it: anchors_drop_above)."""
+
+    token_ids: list[int]
+    copy: SectionsCopy
+    logits: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass
@@ -94,6 +118,8 @@ class ResidentStats:
     ends: int = 0
     end_hits: int = 0
     end_absorbed: int = 0  # ends not kept: the state had absorbed uncommitted tokens
+    prompt_ends: int = 0
+    prompt_end_hits: int = 0
     counters: dict = field(default_factory=dict)
 
 
@@ -101,7 +127,7 @@ class ResidentPrefix:
     def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, *,
                  guest_max: int = 8192, keep_newest: int = 4, end_anchor: bool = True,
                  stash_margin: int = 512, pin_every: int = 4, pin_max: int = 8,
-                 park_anchors: int = 4):
+                 park_anchors: int = 4, prompt_end_anchor: bool = True):
         self.engine = engine
         self.memory = memory
         self.chunk = engine.prefix_chunk
@@ -114,6 +140,10 @@ class ResidentPrefix:
         self.anchors: dict[int, SectionsCopy] = {}
         self.end: End | None = None
         self._end_buffer: SectionsCopy | None = None  # the same buffers turn after turn
+        self.prompt_end_anchor = prompt_end_anchor
+        self.prompt_end: PromptEnd | None = None
+        # The prompt-end anchor's buffers (sections, logits), refilled prompt after prompt.
+        self._prompt_end_buffer: tuple[SectionsCopy, torch.Tensor] | None = None
         self.pinned: Pinned | None = None
         self.parked: Parked | None = None
         self.stash: _Stash | None = None
@@ -145,7 +175,7 @@ class ResidentPrefix:
             # A request too long to be a guest that shares nothing is a compaction: its
             # session's park is history it replaces, and the old prompt's head is pinned.
             compaction = (namespace == self.namespace and c < self.chunk
-                          and eng.length >= self.chunk)
+                          and eng.length >= self.chunk and best.source != "prompt_end")
             if (compaction and session is not None and self.parked is not None
                     and self.parked.session == session and self.parked.namespace == namespace):
                 self._drop_park()
@@ -157,6 +187,8 @@ class ResidentPrefix:
         self.session = session
         self.namespace = namespace
         self._count(best)
+        if best.source == "prompt_end":
+            return Resume(best.start, best.source, logits=self.prompt_end.logits.clone())
         return best
 
     def offer(self, prompt_ids: Sequence[int], namespace: Namespace = SHARED) -> Resume:
@@ -173,6 +205,12 @@ class ResidentPrefix:
         # extension, end anchor or anchor of theirs is offered.
         c = self._shared_rows(prompt, namespace)
         continuing = c >= eng.length and eng.length <= limit
+        pe = self.prompt_end
+        if (pe is not None and len(prompt) == pe.length <= c and not self._guest_active
+                and prompt == pe.token_ids):
+            # The same prompt again (a regenerate, a retry): nothing to forward, and no other
+            # offer reaches past ``limit``. Before the guest test: a repeat is no guest.
+            return Resume(pe.length, "prompt_end"), c, continuing
         if not continuing and self._is_guest(prompt, c):
             start = self._best_anchor(min(c, limit))
             return Resume(start, "resident" if start else "cold", guest=True), c, continuing
@@ -218,6 +256,10 @@ class ResidentPrefix:
         if self._other_session(session, namespace) and eng.length > keep:
             self._park_current(keep)
         self.anchors_drop_above(keep)
+        # The restore writes every row under n: the prompt-end anchor's rows come back as the
+        # copy's, the same tokens but not always the same bits (its prompt's last chunk was
+        # partial here, and the copy's rows may follow an off-grid resume).
+        self.prompt_end = None
         self.end = None
         self.session = session
         self.namespace = namespace
@@ -245,6 +287,8 @@ class ResidentPrefix:
             self._drop_park()
         elif level == "pin":
             self._drop_pin()
+        elif level == "prompt_end":
+            self._drop_prompt_end()
         return before - held[level]
 
     def _drop_stash(self) -> None:
@@ -265,6 +309,35 @@ class ResidentPrefix:
         if self._guest_active or end % self.chunk:
             return
         self._take_anchor(end)
+
+    def on_prefill(self, logits: torch.Tensor) -> None:
+        """After a prompt's prefill, before its first decode (nothing is pending): the
+        prompt-end anchor, the sections and ``logits`` (the last position's), in the buffers
+        of the last one. A guest keeps none: its rows go back after it."""
+        if self._guest_active or not self.prompt_end_anchor:
+            return
+        eng = self.engine
+        state = eng.cache_state()
+        self.prompt_end = None  # a copy cut short is not the state at any prompt's end
+        buffer = self._prompt_end_buffer
+        if buffer is None:
+            nbytes = SectionsCopy.nbytes_of(state) + logits.numel() * logits.element_size()
+            if not self.memory.reserve("prompt_end", nbytes):
+                return
+            buffer = self._prompt_end_buffer = (SectionsCopy.take(state), logits.clone())
+        else:
+            buffer[0].copy_from(state)
+            buffer[1].copy_(logits)
+        self.prompt_end = PromptEnd(list(eng.token_ids), *buffer)
+        self.stats.prompt_ends += 1
+
+    def _drop_prompt_end(self) -> None:
+        self.prompt_end = None
+        if self._prompt_end_buffer is not None:
+            copy, logits = self._prompt_end_buffer
+            self.memory.release("prompt_end",
+                                copy.nbytes + logits.numel() * logits.element_size())
+            self._prompt_end_buffer = None
 
     def finish(self, committed_ids: Sequence[int] | None = None) -> None:
         """After a generation: a guest's rows go back; otherwise the end anchor is kept, at the
@@ -421,8 +494,12 @@ class ResidentPrefix:
         self.memory.release("anchors", copy.nbytes)
 
     def anchors_drop_above(self, line: int) -> None:
+        """Rows above ``line`` are about to be written over: no copy of a state above it
+        stays (the prompt-end anchor included; its buffers are kept for the next prompt)."""
         for above in [x for x in self.anchors if x > line]:
             self._drop_anchor(above)
+        if self.prompt_end is not None and self.prompt_end.length > line:
+            self.prompt_end = None
 
     def _end_at(self, n: int) -> bool:
         return self.end is not None and self.end.length == n
@@ -433,7 +510,11 @@ class ResidentPrefix:
         eng = self.engine
         state = eng.cache_state()
         n = resume.start
-        if n != eng.length:
+        if resume.source == "prompt_end":
+            # Restored even when the rows already end there: the copy is the prefill's state.
+            eng.resume_at(n)
+            self.prompt_end.copy.restore(state)
+        elif n != eng.length:
             if resume.source == "end":
                 self.end.copy.restore(state)
             elif n:
@@ -451,6 +532,8 @@ class ResidentPrefix:
             s.hits += 1
         elif resume.source == "cold":
             s.cold += 1
+        elif resume.source == "prompt_end":
+            s.prompt_end_hits += 1
 
     def _other_session(self, session: str | None, namespace: Namespace) -> bool:
         if namespace != self.namespace:
@@ -611,6 +694,9 @@ class ResidentPrefix:
             "hits": s.hits, "cold": s.cold,
             "end": self.end.length if self.end else None, "ends": s.ends, "end_hits": s.end_hits,
             "end_absorbed": s.end_absorbed,
+            "prompt_end": self.prompt_end.length if self.prompt_end else None,
+            "prompt_ends": s.prompt_ends, "prompt_end_hits": s.prompt_end_hits,
+            "prompt_end_bytes": held["prompt_end"],
             "taint": self.engine.taint,
             "guests": s.guests, "guest_refused": s.guest_refused, "stash_bytes": held["stash"],
             "pinned": len(self.pinned.token_ids) if self.pinned else None,
@@ -633,6 +719,15 @@ class ResidentPrefix:
         assert held["pin"] == (self.pinned.nbytes if self.pinned else 0), "pin bytes"
         assert held["park"] == (self.parked.nbytes if self.parked else 0), "park bytes"
         assert held["stash"] == (self.stash.nbytes if self.stash else 0), "stash bytes"
+        buffer = self._prompt_end_buffer
+        assert held["prompt_end"] == (0 if buffer is None else buffer[0].nbytes
+                                      + buffer[1].numel() * buffer[1].element_size()), \
+            "prompt_end bytes"
+        pe = self.prompt_end
+        if pe is not None:
+            assert buffer is not None and pe.copy is buffer[0], "prompt_end outside its buffer"
+            if not self._guest_active:
+                assert eng.token_ids[:pe.length] == pe.token_ids, "prompt_end rows moved"
         if self.stash is None:
             assert not self._guest_active
         self.memory.check_invariants()

@@ -151,6 +151,8 @@ def make_memory(config: Config, model) -> MemoryAccountant:
         "anchors": int(c.resident_gb * GiB),
         # The end anchor's buffers, and a parked end on its way back in.
         "end": 2 * state_nbytes if c.end_anchor else 0,
+        # The prompt-end anchor: one state and the last position's logits (fp32).
+        "prompt_end": state_nbytes + 4 * model.vocab_size if c.prompt_end_anchor else 0,
         "stash": int(c.resident_stash_gb * GiB),
         "pin": int(c.resident_pin_gb * GiB),
         "park": int(c.resident_park_gb * GiB),
@@ -162,7 +164,7 @@ def make_resident(config: Config, memory: MemoryAccountant, engine: Engine) -> R
     """The resident prefix over ``engine``, its copies held to the config's budgets."""
     c = config.cache
     return ResidentPrefix(engine, memory, guest_max=c.resident_guest_max,
-                          end_anchor=c.end_anchor)
+                          end_anchor=c.end_anchor, prompt_end_anchor=c.prompt_end_anchor)
 
 
 def make_store(config: Config, store: StoreActor, engine: Engine) -> StateStore:

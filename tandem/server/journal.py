@@ -30,7 +30,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False)
     completion_tokens: int = 0
     cached_tokens: int = 0
     reread_tokens: int = 0
-    cache_source: str | None = None  # cold, resident, end, pin, park; None when nothing ran
+    cache_source: str | None = None  # cold, resident, end, prompt_end, pin, park; None: none ran
     ttft_ms: float | None = None
     decode_tok_s: float | None = None
     finish_reason: str | None = None

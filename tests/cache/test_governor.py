@@ -51,7 +51,8 @@ def model(qwen3_5_dir):
 
 
 def filled(model):
-    """Every level but the pin and the stash holding something: store, anchors, end, park."""
+    """Every level but the pin and the stash holding something: store, prompt_end, anchors,
+    end, park."""
     allocator = FakeAllocator()
     governor = MemoryGovernor(roomy(), allocator)
     v = model.vocab_size
@@ -60,7 +61,7 @@ def filled(model):
     rig.turn(tokens(v, 300, 1), session="a")
     rig.turn(tokens(v, 300, 2), session="b")  # a is parked
     held = dict(rig.memory.held)
-    assert all(held[level] > 0 for level in ("store", "anchors", "end", "park"))
+    assert all(held[level] > 0 for level in ("store", "prompt_end", "anchors", "end", "park"))
     return rig, governor, allocator
 
 
@@ -81,13 +82,15 @@ def test_a_prefill_sheds_the_cheapest_caches_and_only_as_far_as_it_needs(model):
     assert after["store"] == 0
     assert {k: after[k] for k in ("anchors", "end", "park")} == {
         k: held[k] for k in ("anchors", "end", "park")}
-    assert governor.stats.shed_total == {"store": 1, "anchors": 0, "end": 0, "stash": 0,
-                                         "park": 0, "pin": 0}
-    # Then the anchors too, and exactly them: the end and the park are kept.
-    governor.set_limits(MemoryLimits(BASE + 1, BASE + total(rig) + ws - held["anchors"], 1))
+    assert governor.stats.shed_total == {**{level: 0 for level in LEVELS}, "store": 1}
+    # Then the prompt-end anchor and the anchors too, and exactly them: the end and the park
+    # are kept.
+    governor.set_limits(MemoryLimits(
+        BASE + 1, BASE + total(rig) + ws - held["prompt_end"] - held["anchors"], 1))
     governor.before_prefill(n)
     governor.after_request()
     assert rig.memory.held["anchors"] == 0 and not rig.resident.anchors
+    assert rig.memory.held["prompt_end"] == 0 and rig.resident.prompt_end is None
     assert rig.memory.held["end"] == held["end"] and rig.resident.end is not None
     assert rig.memory.held["park"] == held["park"] and rig.resident.parked is not None
     rig.planner.check_invariants()
@@ -102,7 +105,7 @@ def test_a_prefill_that_cannot_fit_is_refused_after_shedding_everything(model):
     assert refused.value.retry_after_s > 0
     assert total(rig) == 0 and governor.stats.refusals == 1
     assert [level for level in LEVELS if governor.stats.shed_total[level]] == [
-        "store", "anchors", "end", "park"]
+        "store", "prompt_end", "anchors", "end", "park"]
     assert rig.engine.token_ids == rows  # nothing moved in the engine
 
 

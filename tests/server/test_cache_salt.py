@@ -57,8 +57,9 @@ async def test_another_salt_is_served_cold_and_each_salt_its_own_cache(small_loa
         assert _cache(doc)["source"] == "cold" and _cache(doc)["cached"] == 0
     for doc in (b2, a2, n2):
         assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, _cache(doc)
-    assert _cache(b2)["source"] == "resident" and _cache(a2)["source"] == "store"
-    assert _cache(n2)["source"] == "resident"
+    # The very same prompt again, in its own namespace: from the prompt's end.
+    assert _cache(b2)["source"] == "prompt_end" and _cache(a2)["source"] == "store"
+    assert _cache(n2)["source"] == "prompt_end"
     # Each tenant gets the model's answer all the same.
     assert len({doc["choices"][0]["text"] for doc in (a1, b1, b2, a2, n1, n2)}) == 1
     sources = [c.usage.model_extra["tandem"]["cache"]["source"] for c in chats]

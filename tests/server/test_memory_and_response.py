@@ -56,7 +56,8 @@ async def test_a_prefill_that_cannot_fit_gets_503_then_runs_once_the_limits_are_
             assert resp.status == 200
         async with http.get(url + "/v1/memory") as resp:
             report = await resp.json()
-            assert set(report["levels"]) == {"store", "anchors", "end", "stash", "park", "pin"}
+            assert set(report["levels"]) == {"store", "prompt_end", "anchors", "end", "stash",
+                                             "park", "pin"}
             assert report["levels"]["anchors"] == 0  # a 5-token prompt reaches no grid line
             assert report["levels"]["end"] > 0
         async with http.get(url + "/metrics") as resp:

@@ -28,7 +28,7 @@ async def test_the_memory_panel_shows_the_levels_and_edits_the_limits(small_load
         await page.wait_for('document.querySelector("#memory tr[data-level=pin]") !== null')
         levels = await page.evaluate(
             '[...document.querySelectorAll("#memory tr[data-level]")].map((r) => r.dataset.level)')
-        assert levels == ["store", "anchors", "end", "stash", "park", "pin"]
+        assert levels == ["store", "prompt_end", "anchors", "end", "stash", "park", "pin"]
         await page.wait_for('document.querySelector("#memory-limits input[name=mem_peak_gib]")'
                             '.value === "%d"' % machine)
         await page.evaluate("""(() => {
