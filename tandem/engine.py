@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from tandem.cache.vocabulary import FinishReason
 from tandem.logprobs import PromptScorer, TokenLogprob, score
 from tandem.models.base import CacheState, Cost, Model, ModelError
 from tandem.tokens import common_prefix
@@ -103,7 +104,7 @@ class PendingCommit:
 @dataclass
 class GenerationResult:
     token_ids: list[int]
-    finish_reason: str  # "stop", "length" or "cancelled"
+    finish_reason: FinishReason
     prompt_tokens: int
     reused_tokens: int  # rows in place the prefill resumed at
     prefill_ms: float

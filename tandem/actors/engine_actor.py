@@ -60,6 +60,7 @@ from tandem.cache.endalign import Alignment
 from tandem.cache.endrecords import EndRecords
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
+from tandem.cache.vocabulary import Source
 from tandem.cache.planner import Planner
 from tandem.cache.resident import ResidentPrefix
 from tandem.cache.store import StateStore
@@ -140,7 +141,7 @@ class _Outcome:
     """What a finished job hands back from the engine thread."""
 
     result: Any  # tandem.engine.GenerationResult
-    source: str
+    source: Source
     guest: bool
     reread: int
     alignment: Alignment | None

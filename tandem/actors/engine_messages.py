@@ -16,6 +16,7 @@ from typing import Any, Literal
 import msgspec
 
 from tandem.actors.messages import Message
+from tandem.cache.vocabulary import FinishReason, Source
 from tandem.logprobs import TokenLogprob
 
 
@@ -135,7 +136,7 @@ class GenerationFinished(Message):
     stashed and put back)."""
 
     request_id: str
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     reused_tokens: int
@@ -143,7 +144,7 @@ class GenerationFinished(Message):
     decode_ms: float
     decode_tok_s: float
     stop_token: int | None = None
-    cache_source: str = "cold"
+    cache_source: Source = "cold"
     guest: bool = False
     reread_tokens: int = 0  # tokens the prefill forwarded
     aligned: str | None = None  # how the client's copy met the end anchor (exact, glue, reasoning)

@@ -33,6 +33,7 @@ from tandem.cache.keep import (End, Parked, Pinned, clone, make_park, pin_lines,
                                take_pin)
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
+from tandem.cache.vocabulary import Source, Tier, tier_of
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
 
@@ -64,17 +65,15 @@ class Resume:
     """Where a request's prefill starts and what served the rows below it."""
 
     start: int  # rows in place the prefill resumes at, in the served prompt's positions
-    source: str  # cold, resident, end, prompt_end, pin, park, or store (the planner's)
+    source: Source  # resident-tier sources, or store (the planner's)
     guest: bool = False
     # prompt_end: the prompt's last position's logits (a copy the request owns); the engine
     # samples the first token from them and forwards nothing.
     logits: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
-    def tier(self) -> str | None:
-        if self.source == "cold":
-            return None
-        return "store" if self.source == "store" else "resident"
+    def tier(self) -> Tier | None:
+        return tier_of(self.source)
 
 
 @dataclass

@@ -34,6 +34,7 @@ from tandem.actors.engine_messages import (
     TokenGenerated,
 )
 from tandem.cache.namespace import namespace_of
+from tandem.cache.vocabulary import Source, tier_of
 from tandem.cache.response import CachedResponse
 from tandem.logprobs import TokenLogprob
 from tandem.server.errors import ApiError
@@ -373,7 +374,7 @@ class Run:
         return max(0, len(self.prompt_ids) - self.result.reread_tokens)
 
     @property
-    def cache_source(self) -> str:
+    def cache_source(self) -> Source:
         return self.result.cache_source if self.result is not None else "cold"
 
     def usage(self) -> dict:
@@ -382,8 +383,7 @@ class Run:
         r = self.result
         # cached and reread in the served prompt's positions (the spec's usage split); the
         # served prompt differs from the client's where the end alignment put rows back.
-        tier = None if source == "cold" else source if source in ("store", "response") \
-            else "resident"
+        tier = tier_of(source)
         cache = {"tier": tier, "source": source,
                  "cached": r.reused_tokens if r else 0, "reread": r.reread_tokens if r else 0}
         if r is not None and r.aligned:

@@ -16,6 +16,8 @@ from typing import BinaryIO
 
 import msgspec
 
+from tandem.cache.vocabulary import Source
+
 
 class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
     """One request. ``t``: wall-clock seconds when it ended; ``session``: the hash or None;
@@ -30,7 +32,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False)
     completion_tokens: int = 0
     cached_tokens: int = 0
     reread_tokens: int = 0
-    cache_source: str | None = None  # cold, resident, end, prompt_end, pin, park; None: none ran
+    cache_source: Source | None = None  # cold, resident, end, prompt_end, pin, park; None: none ran
     ttft_ms: float | None = None
     decode_tok_s: float | None = None
     finish_reason: str | None = None

@@ -1,0 +1,35 @@
+"""The caches' words as types: where a prompt's rows came from, the tier that holds such a copy,
+and why a generation ended. One function, :func:`tier_of`, maps a source to its tier; usage,
+the journal, the console and the planner all go through it.
+
+Sources (``usage.tandem.cache.source``):
+
+- ``cold``: nothing was resumed; ``engine``: the engine alone resumed rows in place (caches off);
+- ``resident``: a grid anchor; ``prompt_end``: the state at the end of the same prompt;
+  ``end``: the end of the last answer; ``pin``: the head a compaction pinned; ``park``: a
+  conversation parked when another came (all in the resident tier);
+- ``store``: a state store snapshot; ``response``: the response cache answered, no engine ran.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Source = Literal["cold", "engine", "resident", "prompt_end", "end", "pin", "park", "store",
+                 "response"]
+Tier = Literal["resident", "store", "response"]
+# How a generation that ran ended (the engine's word); the routes add "tool_calls" and "error".
+FinishReason = Literal["stop", "length", "cancelled"]
+
+SOURCES: tuple[str, ...] = get_args(Source)
+_OWN_TIER = {"store": "store", "response": "response"}
+
+
+def tier_of(source: Source) -> Tier | None:
+    """The tier holding the copy a source names; None for a cold prompt. The engine's own
+    rows in place count as the resident tier's (they are what the resident prefix keeps)."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown cache source {source!r}")
+    if source == "cold":
+        return None
+    return _OWN_TIER.get(source, "resident")  # type: ignore[return-value]
