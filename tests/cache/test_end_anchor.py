@@ -73,6 +73,9 @@ def test_a_turn_after_the_end_keeps_anchors_above_taint_under_the_greedy_gate(mo
     plain.generate(turn1, SamplingParams(max_tokens=16))
     plain.prefill(turn2[:lines[-1]])
     assert plain.generate(turn3, SamplingParams(max_tokens=16)).token_ids == out3
+    # ...and its bits: the anchor's sections were the plain engine's at that line.
+    assert rig.engine.token_ids == plain.token_ids
+    assert_bit_exact(rig.engine, plain, plain.length)
 
 
 def test_end_anchor_off_keeps_no_end(model):
