@@ -2,7 +2,7 @@
 
 Random models from ``from_config`` have trivial 1-D parameters (norm weights of zero, A_log and
 dt_bias constant), so noise is added to them, or greedy decoding repeats one token and a
-comparison proves little (NOTES.md). Weights are drawn with initializer_range 0.1: at 0.15 the
+comparison proves little (NOTES.md); A_log and dt_bias are set for long memory (below). Weights are drawn with initializer_range 0.1: at 0.15 the
 state grows sensitive enough that fp32 rounding alone moves some logits past 1e-5.
 """
 
@@ -13,6 +13,13 @@ from pathlib import Path
 import torch
 
 VOCAB = 512
+# The per-token decay exp(-exp(A_log) * softplus(a + dt_bias)): small A and a negative dt_bias
+# put its median near 0.98, so the recurrent state remembers a few hundred tokens, as a trained
+# model's does. With transformers' A in [0.5, 4.5] and dt_bias near 1 the median was 0.06: the
+# state was forgotten within three tokens, and a restore that brought back no recurrent state
+# at all still passed the greedy gate (issue 12, part 7).
+LONG_A = 0.3
+LONG_DT = -2.0
 
 
 def _common(**overrides):
@@ -47,7 +54,9 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
             if p.ndim == 1:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.5)
             if name.endswith("A_log"):
-                p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 4 + 0.5))
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen) * LONG_A + 0.01))
+            elif name.endswith("dt_bias"):
+                p.copy_(LONG_DT + torch.randn(p.shape, generator=gen) * 0.5)
 
 
 def make_qwen3_5(path: Path, seed: int = 0, **overrides) -> Path:

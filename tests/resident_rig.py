@@ -69,3 +69,33 @@ def uninterrupted(model, turns: list[list[int]], max_tokens: int = 16,
     """Each turn's greedy tokens on an engine that only ever extends its rows (no cache)."""
     engine = Engine(model, window=window, prefix_chunk=CHUNK)
     return [engine.generate(p, SamplingParams(max_tokens=max_tokens)).token_ids for p in turns]
+
+
+class Uninterrupted:
+    """One conversation on a plain engine that only ever extends its rows (no cache).
+
+    The greedy gate's reference, and more: an engine that a cache resumed where this one stands
+    (the end of the last turn, or a grid line under a cold prefill's chunks) forwarded the very
+    same inputs on the very same chunks, so it holds this engine's bits. ``assert_same`` holds a
+    decode-written restore to them: a restore that loses or perturbs any part of the state (a
+    1.001 scale included) fails it, where the greedy tokens alone may not change."""
+
+    def __init__(self, model, window: int = 2048):
+        self.engine = Engine(model, window=window, prefix_chunk=CHUNK)
+
+    def turn(self, prompt: list[int], max_tokens: int = 16) -> list[int]:
+        return self.engine.generate(prompt, SamplingParams(max_tokens=max_tokens)).token_ids
+
+    def assert_same(self, engine: Engine) -> None:
+        assert engine.token_ids == self.engine.token_ids
+        assert_bit_exact(engine, self.engine, self.engine.length)
+
+
+def assert_uninterrupted(engine: Engine, model, turns: list[list[int]], outs: list[list[int]],
+                         max_tokens: int = 16, window: int = 2048) -> None:
+    """The greedy gate (each turn's tokens those of the uninterrupted run) and the bits the
+    uninterrupted run ends with, for a conversation whose every turn resumed at the last one's
+    end."""
+    plain = Uninterrupted(model, window)
+    assert outs == [plain.turn(p, max_tokens) for p in turns]
+    plain.assert_same(engine)

@@ -1,11 +1,12 @@
 """A small Qwen3.5-layout checkpoint (hidden 64, 4 layers) with the real Qwen tokenizer: the
-embedded tiny's recipe at a size that decodes fast on two cores."""
+embedded tiny's recipe at a size that decodes fast on two cores, with long recurrent memory."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from tandem.models.tiny import TINY_CONFIG, _weights
@@ -17,10 +18,24 @@ SMALL_CONFIG = dict(
     linear_key_head_dim=16, linear_value_head_dim=16)
 
 
+def _long_memory(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A_log and dt_bias redrawn so that the median per-token decay is near 0.98 (tiny's recipe
+    gives 0.07: the state forgotten within three tokens, and the greedy gate blind to a restore
+    that brings back no recurrent state; issue 12, part 7)."""
+    gen = torch.Generator().manual_seed(7)
+    for name in sorted(weights):
+        shape = weights[name].shape
+        if name.endswith("A_log"):
+            weights[name] = torch.log(torch.rand(shape, generator=gen) * 0.3 + 0.01)
+        elif name.endswith("dt_bias"):
+            weights[name] = -2.0 + torch.randn(shape, generator=gen) * 0.5
+    return weights
+
+
 def make_small_hybrid(path: Path, *, tokenizer: bool = True) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(SMALL_CONFIG))
-    save_file(_weights(SMALL_CONFIG), str(path / "model.safetensors"),
+    save_file(_long_memory(_weights(SMALL_CONFIG)), str(path / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer:
         write_qwen_tokenizer(path)

@@ -1,10 +1,11 @@
 """A made-up third architecture, for tests only (spec: test_cache_any_model).
 
-Two sections and three views whose shapes and token axes differ from the hybrid model's, so a
-cache module that assumed ``gdn.S`` or a token axis of 2 would fail here:
+Three sections and three views whose shapes and token axes differ from the hybrid model's, so
+a cache module that assumed ``gdn.S`` or a token axis of 2 would fail here:
 
-- sections ``rnn.h`` [hidden] (a decaying recurrent sum) and ``mix.m`` [2, hidden, 3] (a running
-  outer summary), both fp32;
+- sections ``rnn.h`` [hidden] (a slowly decaying recurrent sum), ``mix.m`` [2, hidden, 3] (a
+  running outer summary) and ``tail.x`` [2, hidden] (a short causal conv's last two inputs, as
+  the hybrid's ``gdn.conv``), all fp32;
 - views ``keys`` [window, hidden] (token axis 0), ``vals`` [heads, window, head_dim] (axis 1) and
   ``gate`` [4, window] (axis 1).
 """
@@ -40,7 +41,8 @@ class ThirdModel:
     def new_state(self, window: int) -> ModelState:
         d = self.hidden
         return ModelState(
-            sections={"rnn.h": torch.zeros(d), "mix.m": torch.zeros(2, d, 3)},
+            sections={"rnn.h": torch.zeros(d), "mix.m": torch.zeros(2, d, 3),
+                      "tail.x": torch.zeros(2, d)},
             views={"keys": View(torch.zeros(window, d, dtype=self.dtype), 0),
                    "vals": View(torch.zeros(self.heads, window, self.head_dim, dtype=self.dtype), 1),
                    "gate": View(torch.zeros(4, window, dtype=self.dtype), 1)})
@@ -48,19 +50,20 @@ class ThirdModel:
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
                 on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
-        h, m = state.sections["rnn.h"], state.sections["mix.m"]
-        return self._run(state, token_ids, start, h, m, None, on_logits)[-1]
+        h, m, tail = (state.sections[k] for k in ("rnn.h", "mix.m", "tail.x"))
+        return self._run(state, token_ids, start, h, m, tail, None, on_logits)[-1]
 
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
                        start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Every position's logits and sections; the sections in ``state`` stay as they were."""
-        steps: dict[str, list[torch.Tensor]] = {"rnn.h": [], "mix.m": []}
-        h, m = state.sections["rnn.h"].clone(), state.sections["mix.m"].clone()
-        logits = self._run(state, token_ids, start, h, m, steps)
+        steps: dict[str, list[torch.Tensor]] = {"rnn.h": [], "mix.m": [], "tail.x": []}
+        h, m, tail = (state.sections[k].clone() for k in ("rnn.h", "mix.m", "tail.x"))
+        logits = self._run(state, token_ids, start, h, m, tail, steps)
         return logits, {name: torch.stack(v) for name, v in steps.items()}
 
     def _run(self, state: ModelState, token_ids: torch.Tensor, start: int, h: torch.Tensor,
-             m: torch.Tensor, steps: dict[str, list[torch.Tensor]] | None,
+             m: torch.Tensor, tail: torch.Tensor,
+             steps: dict[str, list[torch.Tensor]] | None,
              on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
         w = self.w
         n = token_ids.shape[0]
@@ -80,15 +83,21 @@ class ThirdModel:
         # Only the positions asked for are read out: the last one, or every one in a verify.
         read = range(n) if steps is not None or on_logits is not None else range(n - 1, n)
         lasts = []
+        # Decays near 1 (0.99, 0.98): the state remembers a few hundred tokens, so a restore
+        # that loses or perturbs it changes what follows (issue 12, part 7).
         for t in range(n):  # the recurrence, token by token
-            h.mul_(0.9).add_(torch.tanh(drive[t]))
-            m[0].mul_(0.8).add_(torch.outer(torch.tanh(h), torch.tanh(mix[t])) * 0.1)
+            conv = drive[t] + 0.6 * tail[1] - 0.4 * tail[0]
+            tail[0].copy_(tail[1])
+            tail[1].copy_(drive[t])
+            h.mul_(0.99).add_(torch.tanh(conv), alpha=0.1)
+            m[0].mul_(0.98).add_(torch.outer(torch.tanh(h), torch.tanh(mix[t])) * 0.02)
             m[1].copy_(torch.tanh(m[0] + m[1] * 0.5))
             if steps is not None:
                 steps["rnn.h"].append(h.clone())
                 steps["mix.m"].append(m.clone())
+                steps["tail.x"].append(tail.clone())
             if t in read:
-                lasts.append(attn[t].float() + h + m[1].sum(-1))
+                lasts.append(attn[t].float() + torch.tanh(conv) + h + m[1].sum(-1))
         if on_logits is not None:
             # The others apart, so that the last position's logits are the ones without.
             if n > 1:
@@ -99,7 +108,7 @@ class ThirdModel:
     def cost(self, window: int, prefix_chunk: int = 1024) -> Cost:
         el = torch.tensor([], dtype=self.dtype).element_size()
         row = (self.hidden + self.hidden + 4) * el
-        state = (self.hidden + 2 * self.hidden * 3) * 4
+        state = (self.hidden + 2 * self.hidden * 3 + 2 * self.hidden) * 4
         return Cost(state, row, 1 << 20, 16 * self.hidden * 4, (1 << 20) + 4 * prefix_chunk * window)
 
     def manifest(self) -> dict[str, str]:

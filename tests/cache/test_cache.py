@@ -8,7 +8,8 @@ import torch
 from structlog.testing import capture_logs
 
 import tandem.cache.store as store_module
-from resident_rig import assert_bit_exact, cold, tokens, uninterrupted
+from resident_rig import Uninterrupted, assert_bit_exact, assert_uninterrupted, cold, tokens, \
+    uninterrupted
 from store_rig import MiB, StoreRig
 from tandem.models.hybrid import HybridModel
 
@@ -39,9 +40,13 @@ def test_the_resident_prefix_wins_a_tie_and_the_store_only_starts_later(model):
     rig = StoreRig(model)
     first = tokens(v, 300, 1)
     rig.prefill(first)
-    resume, _ = rig.prefill(first[:280] + tokens(v, 30, 2))
+    second = first[:280] + tokens(v, 30, 2)
+    resume, logits = rig.prefill(second)
     assert (resume.source, resume.start) == ("resident", 256)
     assert rig.core.stats.prefix_hits == 0
+    engine, want = cold(model, second)
+    assert torch.equal(logits, want)
+    assert_bit_exact(rig.engine, engine, len(second))
 
 
 def test_every_line_is_snapshot_with_boundaries_0_and_only_lines_under_the_cap(model):
@@ -76,7 +81,7 @@ def test_a_session_snapshot_resumes_the_next_turn_greedy_equal(model):
     resume, out2 = rig.turn(turn2, session="a")
     assert (resume.source, resume.start) == ("store", len(turn1) + len(out1) - 1)
     assert rig.core.stats.session_hits == 1
-    assert [out1, out2] == uninterrupted(model, [turn1, turn2])
+    assert_uninterrupted(rig.engine, model, [turn1, turn2], [out1, out2])
 
 
 def test_room_is_reserved_before_a_snapshot_is_cloned(model, monkeypatch):
@@ -146,7 +151,10 @@ def test_two_keys_on_one_hash_never_answer_each_other(model):
     engine, want = cold(model, b)
     assert torch.equal(logits, want)
     # Both now in the one bucket: each prompt gets its own state back.
-    rig.prefill(tokens(v, 200, 9))
+    other = tokens(v, 200, 9)
+    resume, logits = rig.prefill(other)
+    assert (resume.source, resume.start) == ("store", 192)
+    assert torch.equal(logits, cold(model, other)[1])
     b2 = b[:130] + tokens(v, 20, 3)
     resume, logits = rig.prefill(b2)
     assert (resume.source, resume.start) == ("store", 128)

@@ -11,7 +11,7 @@ from tandem.models.third import ThirdModel
 
 def test_the_third_architecture_has_other_sections_and_token_axes():
     state = Rig(ThirdModel()).engine.cache_state()
-    assert sorted(state.sections) == ["mix.m", "rnn.h"]
+    assert sorted(state.sections) == ["mix.m", "rnn.h", "tail.x"]
     assert {name: v.token_axis for name, v in state.views.items()} == {
         "keys": 0, "vals": 1, "gate": 1}
 

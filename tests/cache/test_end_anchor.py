@@ -5,7 +5,7 @@ prefill's again, bit for bit."""
 import pytest
 import torch
 
-from resident_rig import Rig, assert_bit_exact, cold, tokens, uninterrupted
+from resident_rig import Rig, assert_bit_exact, assert_uninterrupted, cold, tokens
 from tandem.engine import Engine, SamplingParams
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
@@ -27,7 +27,8 @@ def test_the_next_turn_resumes_at_the_end_and_forwards_only_what_is_new(model):
     resume, out2 = rig.turn(turn2)
     assert (resume.source, resume.start) == ("end", len(turn1) + len(out1) - 1)
     assert rig.resident.stats.end_hits == 1
-    assert [out1, out2] == uninterrupted(model, [turn1, turn2])
+    # The end is the state in place here (no copy restored): the uninterrupted run's bits.
+    assert_uninterrupted(rig.engine, model, [turn1, turn2], [out1, out2])
 
 
 def test_taint_is_the_first_row_decoding_wrote(model):
@@ -73,6 +74,9 @@ def test_a_turn_after_the_end_keeps_anchors_above_taint_under_the_greedy_gate(mo
     plain.generate(turn1, SamplingParams(max_tokens=16))
     plain.prefill(turn2[:lines[-1]])
     assert plain.generate(turn3, SamplingParams(max_tokens=16)).token_ids == out3
+    # ...and its bits: the anchor's sections were the plain engine's at that line.
+    assert rig.engine.token_ids == plain.token_ids
+    assert_bit_exact(rig.engine, plain, plain.length)
 
 
 def test_end_anchor_off_keeps_no_end(model):

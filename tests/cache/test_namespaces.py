@@ -2,12 +2,13 @@
 whatever tokens the two share, and still serves its own. A request of another namespace is
 served cold; a grid resume in its own namespace after another's came and went is a cold
 prefill's bit for bit (gate 1: torch.equal on the logits and on every section and view), an end
-or session resume holds the greedy gate (the same tokens as the uninterrupted run)."""
+or session resume holds the greedy gate (the same tokens as the uninterrupted run) and that
+run's bits, since it forwarded the same inputs on the same chunks."""
 
 import pytest
 import torch
 
-from resident_rig import Rig, assert_bit_exact, cold, tokens, uninterrupted
+from resident_rig import Rig, assert_bit_exact, assert_uninterrupted, cold, tokens
 from store_rig import StoreRig
 from tandem.actors.engine_messages import GenerationParams
 from tandem.cache.endrecords import EndRecords
@@ -106,7 +107,7 @@ def test_a_parked_end_comes_back_to_its_own_namespace_with_the_same_tokens(model
     assert rig.resident.offer(a2, SHARED).source == "cold"
     resume, out_a2 = rig.turn(a2, namespace=A)
     assert (resume.source, resume.start) == ("park", len(a1) + len(out_a1) - 1)
-    assert [out_a1, out_a2] == uninterrupted(model, [a1, a2])  # greedy gate
+    assert_uninterrupted(rig.engine, model, [a1, a2], [out_a1, out_a2])  # greedy gate and bits
 
 
 # -- the pinned head -------------------------------------------------------------------------
@@ -151,7 +152,7 @@ def test_a_guest_of_another_namespace_starts_cold_and_the_rows_come_back(model):
     turn2 = turn1 + out1 + tokens(v, 20, 3)
     resume, out2 = rig.turn(turn2, namespace=A)
     assert resume.source == "end"
-    assert [out1, out2] == uninterrupted(model, [turn1, turn2])
+    assert_uninterrupted(rig.engine, model, [turn1, turn2], [out1, out2])
 
 
 # -- the end records and their alignment -----------------------------------------------------
@@ -230,7 +231,7 @@ def test_a_session_snapshot_serves_its_own_namespace_only_greedy_equal(hybrid):
     assert (resume.source, resume.start) == ("cold", 0)
     resume, out2 = rig.turn(turn2, session="a", namespace=A)
     assert (resume.source, resume.start) == ("store", len(key))
-    assert [out1, out2] == uninterrupted(hybrid, [turn1, turn2])
+    assert_uninterrupted(rig.engine, hybrid, [turn1, turn2], [out1, out2])
 
 
 def test_a_store_entry_of_the_same_tokens_in_another_namespace_is_a_miss_on_one_hash(hybrid):

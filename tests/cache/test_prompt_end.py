@@ -10,7 +10,7 @@ greedy tokens are then the cold run's too.
 import pytest
 import torch
 
-from resident_rig import Rig, assert_bit_exact, cold, tokens, uninterrupted
+from resident_rig import Rig, assert_bit_exact, assert_uninterrupted, cold, tokens, uninterrupted
 from store_rig import StoreRig
 from tandem.cache.resident import ResidentPrefix
 from tandem.engine import Engine, SamplingParams
@@ -83,7 +83,7 @@ def test_a_prompt_that_differs_in_its_last_token_does_not_take_it(model):
     other = prompt[:-1] + [(prompt[-1] + 1) % v]
     resume, out = rig.turn(other, session="s")
     assert resume.source == "resident" and resume.start == 192
-    assert out == uninterrupted(model, [other])[0]
+    assert_uninterrupted(rig.engine, model, [other], [out])  # a grid resume: cold tokens, bits
 
 
 def test_neither_a_prefix_nor_an_extension_of_the_prompt_takes_it(model):
@@ -128,7 +128,7 @@ def test_a_prefill_that_writes_below_the_prompts_end_drops_it(model):
     assert rig.resident.prompt_end.token_ids == other  # the newest prompt's, in its buffers
     resume, out = rig.turn(prompt, session="s")
     assert resume.source == "resident" and resume.start == 192
-    assert out == uninterrupted(model, [prompt])[0]
+    assert_uninterrupted(rig.engine, model, [prompt], [out])  # a grid resume: cold tokens, bits
 
 
 def test_shedding_it_gives_its_bytes_back():
@@ -215,5 +215,7 @@ def test_a_store_restore_under_the_prompts_end_drops_it():
     assert (resume.source, resume.start) == ("store", 256)
     assert rig.resident.prompt_end is None
     assert rig.resident.offer(prompt).source != "prompt_end"
+    # What the store restored is a cold prefill's state at its line.
+    assert_bit_exact(rig.engine, cold(model, longer[:256])[0], 256)
     rig.planner.abort()
     rig.planner.check_invariants()

@@ -2,8 +2,9 @@
 replaced the rows in place) and shed (the governor takes a level's copies back)."""
 
 import pytest
+import torch
 
-from resident_rig import Rig, tokens
+from resident_rig import Rig, Uninterrupted, assert_bit_exact, cold, tokens
 from tandem.models.third import ThirdModel
 
 
@@ -34,6 +35,23 @@ def test_offer_says_what_begin_does_and_changes_nothing(model):
         rig_b = Rig(model)
         rig_b.turn(first, session="a")
         assert rig_b.resident.begin(prompt, 16, "a") == offer
+        # ...and what begin restored is the state at the offer's row: the prefill that
+        # follows has the bits of an engine that never left the conversation (the end) or
+        # of a cold prefill (a grid anchor, a guest, cold).
+        logits = rig_b.engine.prefill(prompt, on_chunk=rig_b.resident.on_chunk)
+        if offer.source == "end":
+            plain = Uninterrupted(model)
+            plain.turn(first)
+            want = plain.engine.prefill(prompt)
+            reference = plain.engine
+        else:
+            reference, want = cold(model, prompt)
+        assert torch.equal(logits, want)
+        assert_bit_exact(rig_b.engine, reference, len(prompt))
+        rig_b.resident.finish()
+        if offer.guest:  # the stash put the conversation back: the first rig's state
+            assert rig_b.engine.token_ids == rig.engine.token_ids
+            assert_bit_exact(rig_b.engine, rig.engine, rig.engine.length)
     assert [rig.resident.offer(p).source for p in cases] == ["end", "resident", "cold", "cold"]
     assert rig.resident.offer(cases[2]).guest
 

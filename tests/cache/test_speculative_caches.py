@@ -4,11 +4,13 @@ cuts the pending commit back to them (trim_pending) and is kept there; a session
 them unless session_trim cuts first; a state that already absorbed them keeps no end.
 
 Gate: greedy. Verify blocks wrote these states, so every resume here is held to the same greedy
-tokens as a cold run of the same prompt.
+tokens as a cold run of the same prompt (and, where an engine with no cache can make the same
+verify blocks, to its bits).
 """
 
 import pytest
 
+from resident_rig import assert_bit_exact
 from store_rig import StoreRig
 from tandem.engine import Engine, SamplingParams
 from tandem.models.hybrid import HybridModel
@@ -79,6 +81,16 @@ def test_session_trim_cuts_the_commit_before_the_session_snapshot(model):
     resume, again = rig.turn(follow, "s", max_tokens=12)
     assert (resume.source, resume.start) == ("store", len(committed))
     assert again == cold_tokens(model, follow)
+    # The bits too: an engine with no cache that ran the same speculative turn, cut its
+    # pending commit back to the committed tokens and went on forwarded the same inputs.
+    reference = cold_tokens(model, prompt, 30)
+    plain = Engine(model, window=2048, prefix_chunk=CHUNK)
+    plain.generate(prompt, SamplingParams(max_tokens=30, stop_token_ids=(stop,)),
+                   draft=echo(prompt, reference), draft_max=8)
+    assert plain.trim_pending(len(committed))
+    assert plain.generate(follow, SamplingParams(max_tokens=12)).token_ids == again
+    assert rig.engine.token_ids == plain.token_ids
+    assert_bit_exact(rig.engine, plain, plain.length)
 
 
 def test_a_state_that_absorbed_uncommitted_tokens_keeps_no_end(model):

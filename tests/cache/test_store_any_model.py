@@ -15,7 +15,7 @@ def test_the_state_store_serves_the_third_architecture():
     v = model.vocab_size
     rig = StoreRig(model)
     state = rig.engine.cache_state()
-    assert sorted(state.sections) == ["mix.m", "rnn.h"]
+    assert sorted(state.sections) == ["mix.m", "rnn.h", "tail.x"]
     # prefix snapshot, bit for bit
     first = tokens(v, 300, 1)
     rig.prefill(first)

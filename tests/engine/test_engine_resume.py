@@ -6,6 +6,7 @@ Greedy gate: decode after such a restore writes the same greedy tokens as the un
 import pytest
 import torch
 
+from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.engine import Engine, SamplingParams, grid_chunks
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
@@ -18,19 +19,19 @@ def _prompt(vocab: int, n: int = PROMPT, seed: int = 7) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _copy(engine: Engine, n: int) -> dict:
-    """What a cache would keep at line n: every section whole, every view's rows 0..n."""
+def _copy(engine: Engine, n: int) -> tuple[SectionsCopy, RowsCopy]:
+    """What a cache keeps at line n, taken as the caches take it: every section whole, every
+    view's rows 0..n (so scripts/mutation_check.py's broken restores reach these tests too)."""
     state = engine.cache_state()
-    return {"sections": {k: t.clone() for k, t in state.sections.items()},
-            "rows": {k: v.rows(0, n).clone() for k, v in state.views.items()}}
+    return SectionsCopy.take(state), RowsCopy.take(state, 0, n)
 
 
-def _restore(engine: Engine, copy: dict, n: int, token_ids: list[int]) -> None:
+def _restore(engine: Engine, copy: tuple[SectionsCopy, RowsCopy], n: int,
+             token_ids: list[int]) -> None:
+    sections, rows = copy
     state = engine.cache_state()
-    for k, t in copy["sections"].items():
-        state.sections[k].copy_(t)
-    for k, rows in copy["rows"].items():
-        state.views[k].rows(0, n).copy_(rows)
+    sections.restore(state)
+    rows.restore(state)
     engine.resume_at(n, token_ids)
 
 
@@ -81,6 +82,8 @@ def test_decode_after_a_restore_writes_the_uninterrupted_runs_greedy_tokens(mode
     assert result.reused_tokens == 192
     assert result.token_ids == want
     assert resumed.taint == PROMPT  # the first row decoding wrote
+    # Resumed on the grid, the rest forwarded on the straight run's chunks: its bits too.
+    _assert_same_state(resumed, straight, straight.length)
 
 
 def test_the_same_inputs_on_the_same_grid_give_the_same_bits_twice(model):
