@@ -16,21 +16,8 @@ import pytest
 import torch
 
 from tandem.engine import Engine, SamplingParams
-from tandem.models.hybrid import HybridModel
-from tandem.models.third import ThirdModel
-from small_hybrid import make_small_hybrid
 
 WINDOW, CHUNK = 512, 64
-
-
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory) -> HybridModel:
-    return HybridModel.load(make_small_hybrid(tmp_path_factory.mktemp("small"), tokenizer=False))
-
-
-@pytest.fixture(params=["hybrid", "third"])
-def model(request, hybrid):
-    return hybrid if request.param == "hybrid" else ThirdModel()
 
 
 def fresh(n: int, seed: int) -> list[int]:
