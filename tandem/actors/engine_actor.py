@@ -6,7 +6,7 @@ ThreadPoolExecutor the actor owns. The thread hands each token to the loop with
 queues, cancels and grants, so a `CancelGeneration` or a lock request is handled while a
 generation runs.
 
-The capture lock: one FIFO of holders, the engine's own generations and outside holders
+The capture lock: one FIFO of holders (tandem.actors.capture_lock, a pure class), the engine's own generations and outside holders
 (`RequestCaptureLock`) in arrival order. The engine holds the lock for each generation it runs;
 an outside holder holds it from `CaptureLockGranted` to its `ReleaseCaptureLock`.
 
@@ -50,6 +50,7 @@ from tandem.actors.engine_messages import (
     RequestCaptureLock,
     TokenGenerated,
 )
+from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
@@ -74,10 +75,6 @@ log = structlog.get_logger("tandem.engine")
 # minute it is a guess), from the median of this many recent generations' durations.
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
 RECENT_DURATIONS = 32
-
-
-class CaptureLockMisuse(RuntimeError):
-    """A release of the capture lock by someone who does not hold it: a protocol bug."""
 
 
 class EngineBroken(RuntimeError):
@@ -211,8 +208,7 @@ class EngineActor(Actor):
         self._rows_namespace: Namespace = SHARED
         self._executor: ThreadPoolExecutor | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._fifo: deque[_Job | _Outside] = deque()
-        self._holder: _Job | _Outside | None = None
+        self._lock: CaptureLockFifo[_Job | _Outside] = CaptureLockFifo()
         self._running: asyncio.Future[Any] | None = None  # the running job's executor future
         self._jobs: dict[str, _Job] = {}  # every accepted job not yet finished, by request id
         self._grant_ids = itertools.count(1)
@@ -266,10 +262,10 @@ class EngineActor(Actor):
     async def on_stop(self) -> None:
         for job in list(self._jobs.values()):
             job.cancel.set()
-        for item in list(self._fifo):
+        for item in self._lock.waiting():
             if isinstance(item, _Job):
                 self._fail(item, "stopped", "the engine stopped before the request ran")
-        self._fifo.clear()
+        self._lock.clear()
         if self._running is not None and not self._running.done():
             # The thread stops at its next token; wait so that no torch work outlives the actor.
             await asyncio.wait([self._running])
@@ -280,7 +276,7 @@ class EngineActor(Actor):
 
     @property
     def waiting(self) -> int:
-        return sum(1 for item in self._fifo if isinstance(item, _Job))
+        return sum(1 for item in self._lock.waiting() if isinstance(item, _Job))
 
     @property
     def draining(self) -> bool:
@@ -288,11 +284,11 @@ class EngineActor(Actor):
 
     @property
     def busy(self) -> bool:
-        return isinstance(self._holder, _Job)
+        return isinstance(self._lock.holder, _Job)
 
     def retry_after_estimate(self) -> float:
         """Seconds a client refused now should wait (queue_full, draining, a slow ask)."""
-        job = self._holder if isinstance(self._holder, _Job) else None
+        job = self._lock.holder if isinstance(self._lock.holder, _Job) else None
         elapsed = None
         if job is not None and job.started_s is not None:
             elapsed = self.clock.monotonic() - job.started_s
@@ -301,7 +297,8 @@ class EngineActor(Actor):
     def snapshot(self) -> dict:
         """The engine for the console (tandem.server.keys.ENGINE's contract)."""
         engine = self.engine
-        current = self._holder if isinstance(self._holder, _Job) else None
+        holder = self._lock.holder
+        current = holder if isinstance(holder, _Job) else None
         return {
             "rows_in_place": engine.length if engine is not None else 0,
             "window": engine.window if engine is not None else None,
@@ -316,8 +313,8 @@ class EngineActor(Actor):
             },
             "waiting": self.waiting,
             "draining": self._draining,
-            "capture_lock": (None if self._holder is None else
-                             self.name if isinstance(self._holder, _Job) else self._holder.holder),
+            "capture_lock": (None if holder is None else
+                             self.name if isinstance(holder, _Job) else holder.holder),
             "finished_total": self.finished_total,
             "failed_total": self.failed_total,
             "speculation": self.speculation, "draft_max": self.draft_max,
@@ -325,12 +322,13 @@ class EngineActor(Actor):
         }
 
     def check_invariants(self) -> None:
-        ids = [item.request_id for item in self._fifo if isinstance(item, _Job)]
+        self._lock.check_invariants()
+        ids = [item.request_id for item in self._lock.waiting() if isinstance(item, _Job)]
         assert len(ids) == len(set(ids)), "a request waits twice"
-        assert self._holder not in self._fifo, "the holder is also waiting"
         assert (self._running is not None and not self._running.done()) <= self.busy, \
             "a generation runs without holding the capture lock"
-        running = [self._holder.request_id] if isinstance(self._holder, _Job) else []
+        holder = self._lock.holder
+        running = [holder.request_id] if isinstance(holder, _Job) else []
         assert set(self._jobs) == set(ids) | set(running), "job table out of step with the FIFO"
 
     # -- messages --------------------------------------------------------------------------
@@ -346,15 +344,15 @@ class EngineActor(Actor):
             case Drain(reply_to=reply_to):
                 return self._drain(reply_to)
             case RequestCaptureLock(holder=holder, reply_to=reply_to):
-                self._fifo.append(_Outside(holder, reply_to, next(self._grant_ids)))
+                self._lock.enqueue(_Outside(holder, reply_to, next(self._grant_ids)))
                 self._pump()
             case ReleaseCaptureLock(holder=holder, grant_id=grant_id):
-                held = self._holder
+                held = self._lock.holder
                 if not (isinstance(held, _Outside) and held.grant_id == grant_id
                         and held.holder == holder):
                     raise CaptureLockMisuse(
                         f"{holder} released capture lock grant {grant_id} it does not hold")
-                self._holder = None
+                self._lock.release(held)
                 self._pump()
             case EngineFaulted():
                 pass  # the fault was raised above
@@ -372,26 +370,26 @@ class EngineActor(Actor):
             return GenerationRejected(msg.request_id, "queue_full", self.retry_after_estimate())
         job = _Job(msg, self.clock.monotonic())
         self._jobs[job.request_id] = job
-        self._fifo.append(job)
+        self._lock.enqueue(job)
         self._pump()
-        return GenerationAccepted(msg.request_id, 0 if self._holder is job else ahead)
+        return GenerationAccepted(msg.request_id, 0 if self._lock.holder is job else ahead)
 
     def _cancel(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
         if job is None:
             return  # finished already, or never known
         job.cancel.set()
-        if job is not self._holder:
-            self._fifo.remove(job)
+        if job is not self._lock.holder:
+            self._lock.withdraw(job)
             self._fail(job, "cancelled", "cancelled while waiting")
 
     def _drain(self, reply_to: Any) -> DrainStarted:
         first = not self._draining
         self._draining = True
         dropped = 0
-        for item in list(self._fifo):
+        for item in self._lock.waiting():
             if isinstance(item, _Job):
-                self._fifo.remove(item)
+                self._lock.withdraw(item)
                 self._fail(item, "draining", "the server is shutting down",
                            retry_after_s=self.retry_after_estimate())
                 dropped += 1
@@ -409,9 +407,7 @@ class EngineActor(Actor):
 
     def _pump(self) -> None:
         """Hand the lock to the next in line while it is free."""
-        while self._holder is None and self._fifo:
-            item = self._fifo.popleft()
-            self._holder = item
+        while (item := self._lock.grant_next()) is not None:
             if isinstance(item, _Job):
                 self._start(item)
             else:
@@ -561,7 +557,7 @@ class EngineActor(Actor):
         """On the loop, after every token of the job was delivered (the executor sets its
         future through call_soon_threadsafe too, so it comes after them)."""
         self._running = None
-        self._holder = None
+        self._lock.release(job)
         self._jobs.pop(job.request_id, None)
         if job.started_s is not None and not fut.cancelled() and fut.exception() is None:
             self._durations.append(self.clock.monotonic() - job.started_s)
