@@ -45,7 +45,7 @@ from tandem.server.keys import (
 from tandem.server.memory_routes import add_memory, add_memory_routes
 from tandem.server.metrics import CONTENT_TYPE, Metrics
 from tandem.server.openai_routes import add_openai_routes
-from tandem.server.sessions import load_secret, secret_middleware
+from tandem.server.sessions import load_secret
 from tandem.server.state import STATE, SamplingDefaults, ServerState
 
 log = structlog.get_logger("tandem.server")
@@ -104,7 +104,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
         config=config, tokenizer=loaded.tokenizer, model_name=loaded.name, engine=engine,
         journal=journal, metrics=metrics, supervisor=supervisor,
         defaults=SamplingDefaults.from_model_dir(path),
-        chat_template=getattr(loaded.tokenizer, "chat_template", None))
+        chat_template=getattr(loaded.tokenizer, "chat_template", None),
+        session_secret=load_secret(config.home_path()))
     metrics.gauge("tandem_engine_rows_in_place", "Rows (tokens) in the engine's buffers.",
                   lambda: engine.snapshot().get("rows_in_place") or 0)
     metrics.gauge("tandem_requests_waiting", "Requests waiting for the engine.",
@@ -118,8 +119,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
 
     # error_middleware outermost: a guard's refusal is answered in the OpenAI format too.
     app = web.Application(client_max_size=config.server.max_body_bytes,
-                          middlewares=[error_middleware, guard_middleware(config.server),
-                                       secret_middleware(load_secret(config.home_path()))])
+                          middlewares=[error_middleware, guard_middleware(config.server)])
     app[STATE] = state
     app[SUPERVISOR] = supervisor
     app[ENGINE] = engine

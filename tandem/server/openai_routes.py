@@ -176,7 +176,7 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
     try:
         server = ctx.state.config.server
         body = await read_json(request, server.max_body_bytes, server.request_read_timeout_s)
-        ctx.session = session_key(body, request.headers)
+        ctx.session = session_key(body, request.headers, ctx.state.session_secret)
         req, prompt_ids, params, stops, extra = await prepare(ctx, body)
         ctx.prompt_tokens = len(prompt_ids)
         ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,

@@ -4,8 +4,7 @@ The raw value is a client's identifier and may be anything a user typed; only it
 this module, so no log line or file name ever holds it. The hash is an HMAC-SHA256 (its first 16
 hex digits) keyed by the home's secret (``session.key`` under home, 0600, made once), so a
 journal's hashes cannot be matched against guessed ids without that file, and stay the same
-across restarts. The key in effect is the current request's (``secret_middleware`` sets it);
-outside a request it is a random key of this process.
+across restarts.
 """
 
 from __future__ import annotations
@@ -14,19 +13,13 @@ import hmac
 import os
 import secrets
 from collections.abc import Mapping
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
-
-from aiohttp import web
 
 BODY_FIELDS = ("conversation_id", "conversation", "session_id")
 HEADER = "x-session-id"
 SECRET_FILE = "session.key"
 SECRET_BYTES = 32
-
-_PROCESS_SECRET = secrets.token_bytes(SECRET_BYTES)
-_SECRET: ContextVar[bytes] = ContextVar("tandem_session_secret", default=_PROCESS_SECRET)
 
 
 def load_secret(home: Path) -> bytes:
@@ -52,26 +45,15 @@ def load_secret(home: Path) -> bytes:
     return key
 
 
-def secret_middleware(secret: bytes) -> Any:
-    """Hash the sessions of this app's requests with ``secret``."""
-
-    @web.middleware
-    async def middleware(request: web.Request, handler) -> web.StreamResponse:
-        _SECRET.set(secret)
-        return await handler(request)
-
-    return middleware
-
-
-def hash_session(raw: str, secret: bytes | None = None) -> str:
+def hash_session(raw: str, secret: bytes) -> str:
     # surrogatepass: total over every str, including a header's undecodable bytes (aiohttp
     # hands them over as surrogate escapes).
     data = raw.encode("utf-8", "surrogatepass")
-    key = secret if secret is not None else _SECRET.get()
-    return hmac.new(key, data, "sha256").hexdigest()[:16]
+    return hmac.new(secret, data, "sha256").hexdigest()[:16]
 
 
-def session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
+def session_key(body: Mapping[str, Any], headers: Mapping[str, str],
+                secret: bytes) -> str | None:
     """The hashed session of a request, or None. ``conversation`` may also be an object with an
     ``id`` (the Responses API's spelling); empty values count as absent."""
     for name in BODY_FIELDS:
@@ -80,10 +62,10 @@ def session_key(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | No
             value = value.get("id")
         if isinstance(value, (str, int)) and not isinstance(value, bool) and (
                 text := _text(value)):
-            return hash_session(text)
+            return hash_session(text, secret)
     value = headers.get(HEADER)
     if value:
-        return hash_session(value)
+        return hash_session(value, secret)
     return None
 
 

@@ -54,6 +54,8 @@ class ServerState:
     supervisor: Supervisor | None = None
     ask_timeout_s: float = 10.0  # waiting for room in the engine's mailbox and its reply
     recorder: Any = None  # a tandem.replay.record.Recorder when record_dir is set
+    # The key of the sessions' hashes (tandem.server.sessions.load_secret: the home's).
+    session_secret: bytes = b""
     response_cache: Any = None  # a tandem.cache.response.ResponseCache when response_cache is on
 
     def __post_init__(self) -> None:

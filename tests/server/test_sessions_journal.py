@@ -12,14 +12,15 @@ from tandem.server.sessions import hash_session, load_secret, session_key
 
 def test_the_body_conversation_id_wins_over_the_header_and_only_a_hash_comes_out():
     headers = {"x-session-id": "ses_header"}
-    assert session_key({"conversation_id": "c1"}, headers) == hash_session("c1")
-    assert session_key({"conversation": {"id": "c2"}}, headers) == hash_session("c2")
-    assert session_key({"session_id": "c3"}, {}) == hash_session("c3")
-    assert session_key({}, headers) == hash_session("ses_header")
-    assert session_key({"conversation_id": ""}, {}) is None
+    key = b"k" * 32
+    assert session_key({"conversation_id": "c1"}, headers, key) == hash_session("c1", key)
+    assert session_key({"conversation": {"id": "c2"}}, headers, key) == hash_session("c2", key)
+    assert session_key({"session_id": "c3"}, {}, key) == hash_session("c3", key)
+    assert session_key({}, headers, key) == hash_session("ses_header", key)
+    assert session_key({"conversation_id": ""}, {}, key) is None
     # 16 hex digits: a raw id with a letter past f can never show through (a raw "c1" could sit
     # inside a keyed hash by chance, one run in about 17).
-    digest = hash_session("ses_header")
+    digest = hash_session("ses_header", key)
     assert len(digest) == 16 and set(digest) <= set("0123456789abcdef")
 
 
@@ -81,4 +82,4 @@ def test_sessions_are_hashed_with_the_homes_secret_which_survives_restarts(tmp_p
     # Total over any str: a header's undecodable bytes arrive as surrogate escapes, and a
     # conversation id may be an integer too long for str().
     assert len(hash_session("caf\udce9\ud800", key)) == 16
-    assert session_key({"conversation_id": 10 ** 5000}, {}) is not None
+    assert session_key({"conversation_id": 10 ** 5000}, {}, key) is not None
