@@ -6,9 +6,10 @@ ThreadPoolExecutor the actor owns. The thread hands each token to the loop with
 queues, cancels and grants, so a `CancelGeneration` or a lock request is handled while a
 generation runs.
 
-The capture lock: one FIFO of holders (tandem.actors.capture_lock, a pure class), the engine's own generations and outside holders
-(`RequestCaptureLock`) in arrival order. The engine holds the lock for each generation it runs;
-an outside holder holds it from `CaptureLockGranted` to its `ReleaseCaptureLock`.
+The capture lock: one FIFO of holders (tandem.actors.capture_lock, a pure class), the
+engine's own generations and outside holders (`RequestCaptureLock`) in arrival order. The
+engine holds the lock for each generation it runs; an outside holder holds it from
+`CaptureLockGranted` to its `ReleaseCaptureLock`.
 
 Invariants (`check_invariants`): at most one holder; a generation runs iff it is the holder; the
 FIFO holds no request twice; `waiting` counts the generations in the FIFO.
