@@ -44,6 +44,16 @@ DRAFT_FLOOR = 4
 TEMPERATURE_FLOOR = 1e-5
 
 
+class _Keep:
+    """``resume_at``'s default taint: the rows in place keep theirs."""
+
+    def __repr__(self) -> str:
+        return "KEEP"
+
+
+KEEP = _Keep()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -299,11 +309,15 @@ class Engine:
         del self.token_ids[n:]
         return True
 
-    def resume_at(self, n: int, token_ids: Sequence[int] | None = None) -> None:
+    def resume_at(self, n: int, token_ids: Sequence[int] | None = None, *,
+                  taint: int | None | _Keep = KEEP) -> None:
         """Put the engine at length ``n`` after a copy of the state at ``n`` was written back.
 
         ``token_ids`` names the rows when they came from elsewhere; without it the rows in place
         are cut back to ``n`` (their recurrent state must have been restored by the caller).
+        ``taint``: the lowest row of the restored rows that is not a cold grid prefill's (None:
+        none is); left out, the taint of the rows in place is kept below ``n``. Outside this
+        class, taint changes only here.
         """
         if token_ids is None and n == self.length:
             self.settle()
@@ -319,6 +333,8 @@ class Engine:
             del self.token_ids[n:]
         if n > self.window:
             raise ContextOverflow(n, self.window)
+        if not isinstance(taint, _Keep):
+            self.taint = taint
         if self.taint is not None and self.taint >= n:
             self.taint = None
         if n == 0:

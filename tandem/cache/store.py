@@ -357,8 +357,7 @@ class StateStore:
             state = eng.cache_state()
             entry.sections.restore(state)
             entry.rows.restore(state, 0, n)
-            eng.resume_at(n, entry.key_ids)
-            eng.taint = entry.taint
+            eng.resume_at(n, entry.key_ids, taint=entry.taint)
         except BaseException:
             self.port.release(entry, False)
             raise
