@@ -2,10 +2,14 @@
 parked session, over the engine's one sequence (spec: "Resident prefix", "After a long
 generation", "A guest keeps no end anchor").
 
-Pure logic, no asyncio and no clock: the engine actor calls ``begin`` before a generation (it
-restores state and puts the engine where the prefill resumes), ``on_chunk`` after each prefill
-chunk, and ``finish`` after the generation. Every copy goes through the adapter's
-``cache_state()`` and is reserved with the memory accountant at its level before it is made.
+The composer of five pure cores, one a tier (tandem/cache/tiers: anchors, ends, stash, pin,
+park), each holding its copies and checking its own invariants; here the tiers' offers are
+compared and the copies moved between them and the engine. Pure logic, no asyncio and no
+clock: the engine actor calls ``begin`` before a generation (it restores state and puts the
+engine where the prefill resumes), ``on_chunk`` after each prefill chunk, and ``finish`` after
+the generation. Every copy goes through the adapter's ``cache_state()`` and is reserved with the
+memory accountant at its level before it is made. The engine's taint changes only through
+``resume_at(n, taint=...)``.
 
 Exactness: a resume at a grid anchor at or below ``taint`` is a cold grid prefill's, bit for bit;
 a resume at the end anchor (or an anchor above taint) holds the greedy gate. The prompt-end
@@ -19,7 +23,6 @@ pin and the park record theirs. A request of another namespace is offered none o
 shares no row with the rows in place, whatever their tokens), so it starts cold and the rows in
 place are parked as another session's.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,13 +32,19 @@ import structlog
 import torch
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
-from tandem.cache.keep import (End, Parked, Pinned, clone, make_park, pin_lines, plan_park,
-                               take_pin)
+from tandem.cache.keep import End, Parked, Pinned, make_park, pin_lines, plan_park, take_pin
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
+from tandem.cache.tiers.anchors import Anchors
+from tandem.cache.tiers.ends import Ends, PromptEnd
+from tandem.cache.tiers.park import Park
+from tandem.cache.tiers.pin import Pin
+from tandem.cache.tiers.stash import Stash, Stashed
 from tandem.cache.vocabulary import Source, Tier, tier_of
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
+
+__all__ = ["PromptEnd", "ResidentPrefix", "ResidentStats", "Resume", "SequenceEngine"]
 
 log = structlog.get_logger()
 
@@ -55,7 +64,8 @@ class SequenceEngine(Protocol):
 
     def settle(self) -> None: ...
 
-    def resume_at(self, n: int, token_ids: Sequence[int] | None = None) -> None: ...
+    def resume_at(self, n: int, token_ids: Sequence[int] | None = None, *,
+                  taint: object = ...) -> None: ...
 
     def trim_pending(self, n: int) -> bool: ...
 
@@ -77,32 +87,6 @@ class Resume:
 
 
 @dataclass
-class PromptEnd:
-    """The prompt-end anchor: the sections after a prompt's prefill, before any decode, and the
-    last position's logits. Its rows are not copied: they are the rows in place [0, length),
-    which decoding only appends past. Valid while the rows in place start with ``token_ids``
-    and no row under ``length`` was written since (every path that writes below a line drops
-    the copies above it: anchors_drop_above)."""
-
-    token_ids: list[int]
-    copy: SectionsCopy
-    logits: torch.Tensor
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class _Stash:
-    rows: RowsCopy
-    sections: SectionsCopy | None  # None when the end anchor already holds the live state
-    token_ids: list[int]
-    taint: int | None
-    nbytes: int
-
-
-@dataclass
 class ResidentStats:
     anchors_taken: int = 0
     anchor_evictions: int = 0
@@ -119,7 +103,16 @@ class ResidentStats:
     end_absorbed: int = 0  # ends not kept: the state had absorbed uncommitted tokens
     prompt_ends: int = 0
     prompt_end_hits: int = 0
-    counters: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Hits:
+    """The composer's own counters: which offer served each request."""
+
+    hits: int = 0
+    cold: int = 0
+    end_hits: int = 0
+    prompt_end_hits: int = 0
 
 
 class ResidentPrefix:
@@ -130,29 +123,60 @@ class ResidentPrefix:
         self.engine = engine
         self.memory = memory
         self.chunk = engine.prefix_chunk
-        self.guest_max = guest_max
-        self.keep_newest = keep_newest
-        self.end_anchor = end_anchor
-        self.stash_margin = stash_margin
-        self.pin_every, self.pin_max = pin_every, pin_max
-        self.park_anchors = park_anchors
-        self.anchors: dict[int, SectionsCopy] = {}
-        self.end: End | None = None
-        self._end_buffer: SectionsCopy | None = None  # the same buffers turn after turn
-        self.prompt_end_anchor = prompt_end_anchor
-        self.prompt_end: PromptEnd | None = None
-        # The prompt-end anchor's buffers (sections, logits), refilled prompt after prompt.
-        self._prompt_end_buffer: tuple[SectionsCopy, torch.Tensor] | None = None
-        self.pinned: Pinned | None = None
-        self.parked: Parked | None = None
-        self.stash: _Stash | None = None
+        self.anchor_tier = Anchors(memory, chunk=self.chunk, keep_newest=keep_newest,
+                                   pin_every=pin_every, pin_max=pin_max)
+        self.ends = Ends(memory, end_anchor=end_anchor, prompt_end_anchor=prompt_end_anchor)
+        self.stash_tier = Stash(memory, guest_max=guest_max, stash_margin=stash_margin)
+        self.pin_tier = Pin(memory, chunk=self.chunk, pin_every=pin_every, pin_max=pin_max)
+        self.park_tier = Park(memory, park_anchors=park_anchors)
         self.session: str | None = None  # of the rows in place
         self.namespace: Namespace = SHARED  # of the rows in place, their anchors, end and stash
-        self._guest_namespace: Namespace = SHARED  # of the guest's rows while one runs
-        self.stats = ResidentStats()
-        self._guest_active = False
-        self._guest_start = 0
-        self._writing: int | None = None  # the anchor a copy is being written into
+        self._hits = _Hits()
+
+    # -- the tiers' holdings, by name ------------------------------------------------------
+
+    @property
+    def anchors(self) -> dict[int, SectionsCopy]:
+        return self.anchor_tier.copies
+
+    @property
+    def end(self) -> End | None:
+        return self.ends.end
+
+    @property
+    def prompt_end(self) -> PromptEnd | None:
+        return self.ends.prompt_end
+
+    @property
+    def pinned(self) -> Pinned | None:
+        return self.pin_tier.pinned
+
+    @property
+    def parked(self) -> Parked | None:
+        return self.park_tier.parked
+
+    @property
+    def stash(self) -> Stashed | None:
+        return self.stash_tier.stashed
+
+    @property
+    def end_anchor(self) -> bool:
+        return self.ends.end_anchor
+
+    @end_anchor.setter
+    def end_anchor(self, on: bool) -> None:
+        self.ends.end_anchor = on
+
+    @property
+    def stats(self) -> ResidentStats:
+        a, e, g, h = self.anchor_tier, self.ends, self.stash_tier, self._hits
+        return ResidentStats(
+            anchors_taken=a.taken, anchor_evictions=a.evictions, hits=h.hits, cold=h.cold,
+            guests=g.guests, guest_refused=g.refused, pins=self.pin_tier.pins,
+            pin_hits=self.pin_tier.hits, parks=self.park_tier.parks,
+            park_hits=self.park_tier.hits, ends=e.kept, end_hits=h.end_hits,
+            end_absorbed=e.absorbed, prompt_ends=e.prompt_kept,
+            prompt_end_hits=h.prompt_end_hits)
 
     # -- the request's way -----------------------------------------------------------------
 
@@ -175,9 +199,8 @@ class ResidentPrefix:
             # session's park is history it replaces, and the old prompt's head is pinned.
             compaction = (namespace == self.namespace and c < self.chunk
                           and eng.length >= self.chunk and best.source != "prompt_end")
-            if (compaction and session is not None and self.parked is not None
-                    and self.parked.session == session and self.parked.namespace == namespace):
-                self._drop_park()
+            if compaction and self.park_tier.holds_session(session, namespace):
+                self.park_tier.drop()
             if self._other_session(session, namespace) and eng.length > best.start:
                 self._park_current(best.start)
             elif compaction:
@@ -205,27 +228,28 @@ class ResidentPrefix:
         c = self._shared_rows(prompt, namespace)
         continuing = c >= eng.length and eng.length <= limit
         pe = self.prompt_end
-        if (pe is not None and len(prompt) == pe.length <= c and not self._guest_active
+        if (pe is not None and len(prompt) == pe.length <= c and not self.stash_tier.active
                 and prompt == pe.token_ids):
             # The same prompt again (a regenerate, a retry): nothing to forward, and no other
             # offer reaches past ``limit``. Before the guest test: a repeat is no guest.
             return Resume(pe.length, "prompt_end"), c, continuing
-        if not continuing and self._is_guest(prompt, c):
-            start = self._best_anchor(min(c, limit))
+        if not continuing and self.stash_tier.is_guest(len(prompt), eng.length):
+            start = self.anchor_tier.best(min(c, limit))
             return Resume(start, "resident" if start else "cold", guest=True), c, continuing
 
         # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
         best = Resume(0, "cold")
         if continuing and eng.length:
-            best = Resume(eng.length, "end" if self._end_at(eng.length) else "resident")
+            best = Resume(eng.length, "end" if self.ends.at(eng.length) else "resident")
         else:
             if self.end is not None and self.end.length <= min(c, limit):
                 best = Resume(self.end.length, "end")
-            line = self._best_anchor(min(c, limit))
+            line = self.anchor_tier.best(min(c, limit))
             if line > best.start:
                 best = Resume(line, "resident")
-        pin_point = self._pin_offer(prompt, limit, namespace)
-        park_point = self._park_offer(prompt, limit, namespace)
+        pin_point = self.pin_tier.offer(prompt, limit, namespace)
+        park_point = self.park_tier.offer(eng.token_ids, self.namespace, prompt, limit,
+                                          namespace)
         if pin_point > best.start and pin_point >= park_point:
             return Resume(pin_point, "pin"), c, continuing
         if park_point > best.start:
@@ -258,8 +282,8 @@ class ResidentPrefix:
         # The restore writes every row under n: the prompt-end anchor's rows come back as the
         # copy's, the same tokens but not always the same bits (its prompt's last chunk was
         # partial here, and the copy's rows may follow an off-grid resume).
-        self.prompt_end = None
-        self.end = None
+        self.ends.prompt_end = None
+        self.ends.drop_end()
         self.session = session
         self.namespace = namespace
 
@@ -270,78 +294,52 @@ class ResidentPrefix:
         held = self.memory.held
         before = held[level]
         if level == "anchors":
-            while held["anchors"] > before - need_nbytes and self.anchors:
-                if not self._evict_one(protect=-1):
-                    self._drop_anchor(min(self.anchors))
+            self.anchor_tier.shed(need_nbytes)
         elif level == "end":
             if self.stash is not None and self.stash.sections is None:
                 self._drop_stash()  # it would restore its sections from the end anchor
-            self.end = None
-            if self._end_buffer is not None:
-                self.memory.release("end", self._end_buffer.nbytes)
-                self._end_buffer = None
+            self.ends.release_end()
         elif level == "stash":
             self._drop_stash()
         elif level == "park":
-            self._drop_park()
+            self.park_tier.drop()
         elif level == "pin":
-            self._drop_pin()
+            self.pin_tier.drop()
         elif level == "prompt_end":
-            self._drop_prompt_end()
+            self.ends.release_prompt_end()
         return before - held[level]
 
     def _drop_stash(self) -> None:
         """The guest keeps its rows and the resident rows it wrote over are lost: everything
         above the guest's start goes (its rows are the guest's now)."""
-        if self.stash is None:
+        guest = self.stash_tier
+        if guest.stashed is None:
             return
-        self.memory.release("stash", self.stash.nbytes)
-        self.stash = None
-        self.anchors_drop_above(self.engine.length if not self._guest_active else
-                                self._guest_start)
-        self.end = None
-        if self._guest_active:
-            self.namespace = self._guest_namespace
+        guest.drop()
+        self.anchors_drop_above(self.engine.length if not guest.active else guest.start)
+        self.ends.drop_end()
+        if guest.active:
+            self.namespace = guest.namespace
 
     def on_chunk(self, end: int) -> None:
         """After a prefill chunk: an anchor at every grid line the prefill passes."""
-        if self._guest_active or end % self.chunk:
+        if self.stash_tier.active or end % self.chunk:
             return
-        self._take_anchor(end)
+        self.anchor_tier.take(end, self.engine.cache_state())
 
     def on_prefill(self, logits: torch.Tensor) -> None:
         """After a prompt's prefill, before its first decode (nothing is pending): the
         prompt-end anchor, the sections and ``logits`` (the last position's), in the buffers
         of the last one. A guest keeps none: its rows go back after it."""
-        if self._guest_active or not self.prompt_end_anchor:
+        if self.stash_tier.active or not self.ends.prompt_end_anchor:
             return
         eng = self.engine
-        state = eng.cache_state()
-        self.prompt_end = None  # a copy cut short is not the state at any prompt's end
-        buffer = self._prompt_end_buffer
-        if buffer is None:
-            nbytes = SectionsCopy.nbytes_of(state) + logits.numel() * logits.element_size()
-            if not self.memory.reserve("prompt_end", nbytes):
-                return
-            buffer = self._prompt_end_buffer = (SectionsCopy.take(state), logits.clone())
-        else:
-            buffer[0].copy_from(state)
-            buffer[1].copy_(logits)
-        self.prompt_end = PromptEnd(list(eng.token_ids), *buffer)
-        self.stats.prompt_ends += 1
-
-    def _drop_prompt_end(self) -> None:
-        self.prompt_end = None
-        if self._prompt_end_buffer is not None:
-            copy, logits = self._prompt_end_buffer
-            self.memory.release("prompt_end",
-                                copy.nbytes + logits.numel() * logits.element_size())
-            self._prompt_end_buffer = None
+        self.ends.keep_prompt_end(eng.token_ids, eng.cache_state(), logits)
 
     def finish(self, committed_ids: Sequence[int] | None = None) -> None:
         """After a generation: a guest's rows go back; otherwise the end anchor is kept, at the
         committed tokens when they are given."""
-        if self._guest_active:
+        if self.stash_tier.active:
             self._restore_stash()
             return
         if self.end_anchor:
@@ -354,19 +352,15 @@ class ResidentPrefix:
         taken after a chunk that completed; one a failure interrupted is dropped first), and
         the anchors above it, the end and any stash go. Rows below the anchor were written by
         forwards that completed, so that resume is the one a later request would have made."""
-        if self._guest_active:
+        if self.stash_tier.active:
             self._restore_stash()
             return
-        if self._writing in self.anchors:
-            self._drop_anchor(self._writing)
-        self._writing = None
-        if self.stash is not None:
-            self.memory.release("stash", self.stash.nbytes)  # a guest that never began
-            self.stash = None
+        self.anchor_tier.drop_interrupted()
+        self.stash_tier.drop()  # a guest that never began
         eng = self.engine
-        line = self._best_anchor(eng.length)
+        line = self.anchor_tier.best(eng.length)
         self.anchors_drop_above(line)
-        self.end = None
+        self.ends.drop_end()
         if line:
             self.anchors[line].restore(eng.cache_state())
         eng.resume_at(line)
@@ -380,128 +374,64 @@ class ResidentPrefix:
         if committed_ids is not None:
             keep = common_prefix(eng.token_ids, list(committed_ids))
             if keep < eng.length and not eng.trim_pending(keep):
-                self.end = None
-                self.stats.end_absorbed += 1
+                self.ends.drop_end()
+                self.ends.absorbed += 1
                 log.info("end_anchor_absorbed", rows=eng.length, committed=keep)
                 return
         eng.settle()
-        state = eng.cache_state()
-        if self.end is None:
-            if self._end_buffer is None:
-                if not self.memory.reserve("end", SectionsCopy.nbytes_of(state)):
-                    return
-                self._end_buffer = SectionsCopy.take(state)
-            else:
-                self._end_buffer.copy_from(state)
-        else:
-            self.end.copy.copy_from(state)
-        self.end = End(eng.length, self._end_buffer)
-        self.stats.ends += 1
+        self.ends.keep(eng.length, eng.cache_state())
 
     # -- guests ----------------------------------------------------------------------------
-
-    def _is_guest(self, prompt: list[int], c: int) -> bool:
-        return (len(prompt) <= self.guest_max and 4 * len(prompt) < self.engine.length)
 
     def _begin_guest(self, prompt: list[int], max_tokens: int, c: int,
                      namespace: Namespace) -> Resume:
         eng = self.engine
         state = eng.cache_state()
-        start = self._best_anchor(c)
-        stop = min(eng.length, len(prompt) + max_tokens + 2 * self.stash_margin)
-        live_in_end = self.end is not None and self.end.length == eng.length
+        start = self.anchor_tier.best(c)
+        stop = self.stash_tier.stop(eng.length, len(prompt), max_tokens)
+        live_in_end = self.ends.at(eng.length)
         nbytes = RowsCopy.nbytes_of(state, max(stop - start, 0))
         if not live_in_end:
             nbytes += SectionsCopy.nbytes_of(state)
+        resume = Resume(start, "resident" if start else "cold", guest=True)
         if stop > start and not self.memory.reserve("stash", nbytes):
             # No room: the guest writes over the resident rows, which are cut at its start.
-            self.stats.guest_refused += 1
+            self.stash_tier.refused += 1
             log.info("guest_stash_refused", nbytes=nbytes)
-            self._move_to(Resume(start, "resident" if start else "cold"))
+            self._move_to(resume)
             self.namespace = namespace
-            self._count(Resume(start, "resident" if start else "cold"))
-            return Resume(start, "resident" if start else "cold", guest=True)
-        self.stash = _Stash(rows=RowsCopy.take(state, start, max(stop, start)),
-                            sections=None if live_in_end else SectionsCopy.take(state),
-                            token_ids=list(eng.token_ids), taint=eng.taint,
-                            nbytes=nbytes if stop > start else 0)
+            self._count(resume)
+            return resume
+        self.stash_tier.put(Stashed(
+            rows=RowsCopy.take(state, start, max(stop, start)),
+            sections=None if live_in_end else SectionsCopy.take(state),
+            token_ids=list(eng.token_ids), taint=eng.taint,
+            nbytes=nbytes if stop > start else 0))
         if start:
             self.anchors[start].restore(state)
         eng.resume_at(start)
-        self._guest_active = True
-        self._guest_start = start
-        self._guest_namespace = namespace
-        self.stats.guests += 1
-        return Resume(start, "resident" if start else "cold", guest=True)
+        self.stash_tier.begin(start, namespace)
+        return resume
 
     def _restore_stash(self) -> None:
-        eng, stash = self.engine, self.stash
-        self._guest_active = False
+        eng = self.engine
+        end_copy = self.end.copy if self.end is not None else None
+        stash = self.stash_tier.take_back()
         if stash is None:
             return
         state = eng.cache_state()
         stash.rows.restore(state)
-        (stash.sections or self.end.copy).restore(state)
-        eng.resume_at(len(stash.token_ids), stash.token_ids)
-        eng.taint = stash.taint
-        self.memory.release("stash", stash.nbytes)
-        self.stash = None
+        (stash.sections or end_copy).restore(state)
+        eng.resume_at(len(stash.token_ids), stash.token_ids, taint=stash.taint)
 
     # -- anchors ---------------------------------------------------------------------------
-
-    def _best_anchor(self, limit: int) -> int:
-        lines = [line for line in self.anchors if line <= limit]
-        return max(lines, default=0)
-
-    def _protected(self) -> set[int]:
-        newest = sorted(self.anchors)[-self.keep_newest:]
-        keepers = {line for line in self.anchors
-                   if line % (self.pin_every * self.chunk) == 0
-                   and line <= self.pin_every * self.pin_max * self.chunk}
-        return set(newest) | keepers
-
-    def _take_anchor(self, line: int) -> None:
-        state = self.engine.cache_state()
-        if line in self.anchors:
-            self._writing = line  # a copy cut short is not the state at its line
-            self.anchors[line].copy_from(state)
-            self._writing = None
-            return
-        nbytes = SectionsCopy.nbytes_of(state)
-        while not self.memory.reserve("anchors", nbytes):
-            if not self._evict_one(protect=line):
-                return
-        self.anchors[line] = SectionsCopy.take(state)
-        self.stats.anchors_taken += 1
-
-    def _evict_one(self, protect: int) -> bool:
-        """Drop the unprotected anchor whose loss costs least: the one nearest the anchor
-        below it (the re-read it adds is that gap)."""
-        keep = self._protected() | {protect}
-        lines = sorted(self.anchors)
-        candidates = [(line - (lines[i - 1] if i else 0), line)
-                      for i, line in enumerate(lines) if line not in keep]
-        if not candidates:
-            return False
-        _, line = min(candidates)
-        self._drop_anchor(line)
-        self.stats.anchor_evictions += 1
-        return True
-
-    def _drop_anchor(self, line: int) -> None:
-        copy = self.anchors.pop(line)
-        self.memory.release("anchors", copy.nbytes)
 
     def anchors_drop_above(self, line: int) -> None:
         """Rows above ``line`` are about to be written over: no copy of a state above it
         stays (the prompt-end anchor included; its buffers are kept for the next prompt)."""
-        for above in [x for x in self.anchors if x > line]:
-            self._drop_anchor(above)
+        self.anchor_tier.drop_above(line)
         if self.prompt_end is not None and self.prompt_end.length > line:
-            self.prompt_end = None
-
-    def _end_at(self, n: int) -> bool:
-        return self.end is not None and self.end.length == n
+            self.ends.prompt_end = None
 
     def _move_to(self, resume: Resume) -> None:
         """Put the engine at ``resume.start`` over the rows in place, restoring the copy there;
@@ -521,18 +451,18 @@ class ResidentPrefix:
             eng.resume_at(n)
         self.anchors_drop_above(n)
         if self.end is not None and self.end.length > n:
-            self.end = None
+            self.ends.drop_end()
 
     def _count(self, resume: Resume) -> None:
-        s = self.stats
+        h = self._hits
         if resume.source == "end":
-            s.end_hits += 1
+            h.end_hits += 1
         elif resume.source == "resident":
-            s.hits += 1
+            h.hits += 1
         elif resume.source == "cold":
-            s.cold += 1
+            h.cold += 1
         elif resume.source == "prompt_end":
-            s.prompt_end_hits += 1
+            h.prompt_end_hits += 1
 
     def _other_session(self, session: str | None, namespace: Namespace) -> bool:
         if namespace != self.namespace:
@@ -547,33 +477,22 @@ class ResidentPrefix:
 
     def _pin_head(self) -> None:
         eng = self.engine
-        if not pin_lines(self.anchors, chunk=self.chunk, pin_every=self.pin_every,
-                         pin_max=self.pin_max):
+        pin = self.pin_tier
+        if not pin_lines(self.anchors, chunk=self.chunk, pin_every=pin.pin_every,
+                         pin_max=pin.pin_max):
             return
-        if self.pinned is not None:
-            # The head already pinned is kept when the rows in place share it whole.
-            if (self.pinned.namespace == self.namespace and common_prefix(
-                    self.pinned.token_ids, eng.token_ids) >= len(self.pinned.token_ids)):
-                return
-            self._drop_pin()
+        # The head already pinned is kept when the rows in place share it whole.
+        if pin.covers(eng.token_ids, self.namespace):
+            return
+        pin.drop()
         pinned = take_pin(eng.cache_state(), eng.token_ids, eng.taint, self.anchors, self.memory,
-                          chunk=self.chunk, pin_every=self.pin_every, pin_max=self.pin_max,
+                          chunk=self.chunk, pin_every=pin.pin_every, pin_max=pin.pin_max,
                           namespace=self.namespace)
         if pinned is None:
             return
-        self.pinned = pinned
-        self.stats.pins += 1
+        pin.put(pinned)
         log.info("head_pinned", rows=len(pinned.token_ids), anchors=len(pinned.anchors),
                  nbytes=pinned.nbytes)
-
-    def _drop_pin(self) -> None:
-        if self.pinned is not None:
-            self.memory.release("pin", self.pinned.nbytes)
-            self.pinned = None
-
-    def _pin_offer(self, prompt: list[int], limit: int, namespace: Namespace) -> int:
-        pin = self.pinned
-        return pin.offer(prompt, limit) if pin is not None and pin.namespace == namespace else 0
 
     def _swap_in_pin(self, prompt: list[int], line: int, session: str | None,
                      namespace: Namespace) -> Resume:
@@ -581,7 +500,7 @@ class ResidentPrefix:
         state = eng.cache_state()
         c = self._shared_rows(prompt, namespace)
         if self._other_session(session, namespace) and eng.length > c:
-            self._park_current(self._best_anchor(c))
+            self._park_current(self.anchor_tier.best(c))
         # Rows both prompts share stay; the rest of the head is copied back.
         # Rows in place from taint on (decoded, or after an off-grid resume), and those of a
         # partial chunk, are not the pin's cold rows though their tokens are: the pin's copies
@@ -593,16 +512,15 @@ class ResidentPrefix:
         # namespace's rows under another's name (abort cuts back to its anchors).
         self.namespace = namespace
         self.anchors_drop_above(shared)
-        self.end = None
+        self.ends.drop_end()
         pin.rows.restore(state, shared, line)
         pin.anchors[line].restore(state)
-        eng.resume_at(line, pin.token_ids)
-        eng.taint = pin.taint if pin.taint is not None and pin.taint < line else None
+        eng.resume_at(line, pin.token_ids, taint=pin.taint)
         for at, copy in pin.anchors.items():
-            if shared < at <= line and self.memory.reserve("anchors", copy.nbytes):
-                self.anchors[at] = clone(copy)
+            if shared < at <= line:
+                self.anchor_tier.add(at, copy, clone=True)
         self.session = session
-        self.stats.pin_hits += 1
+        self.pin_tier.hits += 1
         return Resume(line, "pin")
 
     # -- the parked session ----------------------------------------------------------------
@@ -610,11 +528,8 @@ class ResidentPrefix:
     def _park_current(self, head: int) -> None:
         """Park the rows in place above ``head`` (about to be written over) with the newest
         anchors and, when the rows up to it fit, the end anchor."""
-        eng = self.engine
-        state = eng.cache_state()
-        if self.parked is not None:
-            self._drop_park()  # one parked session; a third one's park goes
-        self._park(state, head)
+        self.park_tier.drop()  # one parked session; a third one's park goes
+        self._park(self.engine.cache_state(), head)
 
     def _park(self, state: CacheState, head: int, reuse: RowsCopy | None = None) -> int:
         """Park the rows above ``head``; with ``reuse`` (the rows of the park coming back) in
@@ -622,39 +537,27 @@ class ResidentPrefix:
         swapped with ``reuse``'s (``head`` when they were not)."""
         eng = self.engine
         plan = plan_park(state, head, self.anchors, self.end, self.memory.room("park"),
-                         park_anchors=self.park_anchors, reuse=reuse)
+                         park_anchors=self.park_tier.park_anchors, reuse=reuse)
         if plan is None or not self.memory.reserve("park", plan.nbytes):
             return head
         parked = make_park(plan, state, eng.token_ids, eng.taint, head, self.anchors, self.end,
                            session=self.session, reuse=reuse, namespace=self.namespace)
-        self.parked = parked
-        self.stats.parks += 1
+        self.park_tier.put(parked)
         log.info("session_parked", head=head, rows=len(parked.token_ids) - head,
                  anchors=len(parked.anchors), end=parked.end is not None, nbytes=parked.nbytes,
                  in_place=plan.reuse)
         return plan.stop if plan.reuse else head
 
-    def _drop_park(self) -> None:
-        if self.parked is not None:
-            self.memory.release("park", self.parked.nbytes)
-            self.parked = None
-
-    def _park_offer(self, prompt: list[int], limit: int, namespace: Namespace) -> int:
-        park = self.parked
-        if park is None or park.namespace != namespace:
-            return 0
-        if park.head and self.namespace != namespace:
-            return 0  # its head must be in place, and another namespace's rows are not it
-        return park.offer(self.engine.token_ids, prompt, limit)
-
     def _swap_in_park(self, prompt: list[int], point: int, session: str | None,
                       namespace: Namespace) -> Resume:
         """The parked conversation comes back and the one in place is parked as it leaves."""
         eng = self.engine
-        park = self.parked
-        self.parked = None
-        self.memory.release("park", park.nbytes)
+        park = self.park_tier.take_out()
         state = eng.cache_state()
+        # The head [0, park.head) stays in place: rows there from the engine's taint on (a
+        # decode, an off-grid resume or a tainted restore since the park was made) are not the
+        # rows the park's copies were taken over, so the returning state is tainted there too.
+        head_taint = eng.taint if eng.taint is not None and eng.taint < park.head else None
         # The leaving conversation is parked in the returning one's buffer when it fits, the
         # rows swapped block by block; else copied (or, with no room, simply lost).
         swapped = self._park(state, park.head, reuse=park.rows)
@@ -662,23 +565,17 @@ class ResidentPrefix:
         if point > swapped:
             park.rows.restore(state, swapped, point)
         self.anchors_drop_above(park.head)
-        self.end = None
+        self.ends.drop_end()
         source_end = park.end is not None and park.end.length == point
         (park.end.copy if source_end else park.anchors[point]).restore(state)
-        eng.resume_at(point, park.token_ids)
-        eng.taint = park.taint if park.taint is not None and park.taint < point else None
+        taints = [t for t in (park.taint, head_taint) if t is not None and t < point]
+        eng.resume_at(point, park.token_ids, taint=min(taints, default=None))
         for line, copy in park.anchors.items():
-            if line <= point and self.memory.reserve("anchors", copy.nbytes):
-                self.anchors[line] = copy
+            if line <= point:
+                self.anchor_tier.add(line, copy)
         if source_end and self.end_anchor:
-            if self._end_buffer is None and self.memory.reserve("end", park.end.copy.nbytes):
-                self._end_buffer = park.end.copy
-            elif self._end_buffer is not None:
-                self._end_buffer.copy_from(state)
-            if self._end_buffer is not None:
-                self.end = End(point, self._end_buffer)
+            self.ends.adopt_buffer(point, park.end.copy, state)
         self.session = park.session if session is None else session
-        self.stats.park_hits += 1
         return Resume(point, "park")
 
     # -- reporting -------------------------------------------------------------------------
@@ -709,24 +606,9 @@ class ResidentPrefix:
 
     def check_invariants(self) -> None:
         eng = self.engine
-        for line in self.anchors:
-            assert line % self.chunk == 0 and 0 < line <= eng.length, (line, eng.length)
-        if self.end is not None and not self._guest_active:
-            assert self.end.length <= eng.length, (self.end.length, eng.length)
-        held = self.memory.held
-        assert held["anchors"] == sum(c.nbytes for c in self.anchors.values()), "anchor bytes"
-        assert held["pin"] == (self.pinned.nbytes if self.pinned else 0), "pin bytes"
-        assert held["park"] == (self.parked.nbytes if self.parked else 0), "park bytes"
-        assert held["stash"] == (self.stash.nbytes if self.stash else 0), "stash bytes"
-        buffer = self._prompt_end_buffer
-        assert held["prompt_end"] == (0 if buffer is None else buffer[0].nbytes
-                                      + buffer[1].numel() * buffer[1].element_size()), \
-            "prompt_end bytes"
-        pe = self.prompt_end
-        if pe is not None:
-            assert buffer is not None and pe.copy is buffer[0], "prompt_end outside its buffer"
-            if not self._guest_active:
-                assert eng.token_ids[:pe.length] == pe.token_ids, "prompt_end rows moved"
-        if self.stash is None:
-            assert not self._guest_active
+        self.anchor_tier.check_invariants(eng.length)
+        self.ends.check_invariants(eng.token_ids, self.stash_tier.active)
+        self.stash_tier.check_invariants()
+        self.pin_tier.check_invariants()
+        self.park_tier.check_invariants()
         self.memory.check_invariants()
