@@ -123,3 +123,22 @@ def test_a_swap_parks_the_leaving_conversation_in_the_returning_ones_buffer(mode
     assert [alone_b.turn(b1), alone_b.turn(b2)] == [out_b1, out_b2]
     alone_b.assert_same(rig.engine)  # B's rows came back from A's old buffer
     rig.resident.check_invariants()
+
+
+def test_a_park_coming_back_over_a_head_tainted_since_is_tainted_there():
+    """The park-swap hole (issue 12, part 6): the head [0, head) stays in place when a park
+    comes back, so rows there that a decode or a tainted restore wrote after the park was made
+    are not the rows its copies were taken over; the returning state must carry that taint,
+    not only the park's own (which starts at the parked conversation's first decoded row)."""
+    model = ThirdModel()
+    _, a1, b1 = _two_sessions(model)
+    rig = Rig(model)
+    _, out_a1 = rig.turn(a1, session="a")
+    rig.turn(b1, session="b")
+    assert rig.resident.parked.head == 128 and rig.resident.parked.taint == len(a1)
+    # The head's rows in place rewritten since, the same tokens, from row 100 on not a cold
+    # prefill's (as a restore of a copy written by decoding leaves them).
+    rig.engine.resume_at(rig.engine.length, taint=100)
+    resume, _ = rig.turn(a1 + out_a1 + tokens(model.vocab_size, 40, 23), session="a")
+    assert resume.source == "park"
+    assert rig.engine.taint == 100
