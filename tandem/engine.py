@@ -470,6 +470,9 @@ class Engine:
         reports plain decoding's logprobs up to the verify forward's rounding (its arithmetic
         is not decode's: about 1e-5 apart on the test models). With ``params.prompt_logprobs``,
         ``on_prompt_logprobs(entries)`` runs once after the prefill, before the first token.
+        ``params.max_tokens`` 0 (echo without generation: a prompt's log-likelihood) forwards
+        the prompt and samples nothing: no token, no draw, no forced token asked for, nothing
+        pending; the rows end at the prompt's end as after max_tokens 1.
 
         ``on_prefill(logits)`` runs once the prompt is forwarded, before its first token is
         sampled, with the engine at the prompt's end and nothing pending (a cache keeps that

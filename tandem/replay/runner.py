@@ -182,7 +182,9 @@ class Replayer:
             body.pop("max_tokens", None)
             body.pop("max_completion_tokens", None)
         elif self.max_tokens is not None:
-            body["max_tokens"] = min(int(body.get("max_tokens") or self.max_tokens),
+            # A recorded 0 stays 0: an echo scoring a prompt (lm-eval-harness) generates nothing.
+            recorded = body.get("max_tokens")
+            body["max_tokens"] = min(int(recorded if recorded is not None else self.max_tokens),
                                      self.max_tokens)
             if body.get("max_completion_tokens"):
                 body["max_completion_tokens"] = min(int(body["max_completion_tokens"]),

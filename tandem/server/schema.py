@@ -134,6 +134,9 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):
     prompt: str | list[Any]
+    # 0 with echo: the prompt scored (its logprobs) or echoed, nothing generated (OpenAI's
+    # legacy answer, vLLM's; how lm-eval-harness reads a prompt's log-likelihood).
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
     # echo: the prompt's text before the answer's; with logprobs, the prompt's logprobs too
     # (the prompt then runs cold: tandem.engine).
     echo: bool = False
@@ -147,6 +150,10 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
             raise bad_request("best_of > 1 is not supported", "best_of", "unsupported_parameter")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            # vLLM's answer too (its SamplingParams: "max_tokens must be at least 1").
+            raise bad_request("max_tokens 0 generates nothing: it needs echo (with logprobs, "
+                              "to score the prompt)", "max_tokens", "invalid_value")
 
     def prompt_ids_or_text(self, vocab_size: int) -> str | list[int]:
         """The one prompt: a string, or a list of token ids (also either wrapped in a list of

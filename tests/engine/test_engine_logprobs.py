@@ -112,3 +112,42 @@ def test_with_speculation_each_token_is_scored_at_the_row_that_produced_it(model
         assert a.token_id == b.token_id
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
         assert math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
+
+
+# -- max_tokens 0: the prompt scored, nothing generated (echo without generation) ----------------
+
+
+def test_max_tokens_0_scores_the_prompt_as_max_tokens_1_does_and_samples_nothing(model):
+    prompt = fresh(150, 6)  # three chunks, the last partial
+    asked = []  # every position the sampler was asked for (force comes first)
+    tokens = []
+    engine = Engine(model, window=WINDOW, prefix_chunk=CHUNK)
+    params = dict(prompt_logprobs=3, logprobs=3, temperature=1.0, seed=7)
+    zero = engine.generate(prompt, SamplingParams(max_tokens=0, **params),
+                           force=lambda out: asked.append(len(out)), on_token=tokens.append)
+    one = run(model, prompt, max_tokens=1, **params)
+    assert zero.prompt_logprobs == one.prompt_logprobs  # floats, ==
+    assert len(zero.prompt_logprobs) == len(prompt) - 1
+    assert zero.token_ids == [] and zero.logprobs == [] and zero.finish_reason == "length"
+    assert asked == [] and tokens == []
+    # The rows end at the prompt's end, as after max_tokens 1, nothing pending, none decoded.
+    assert engine.token_ids == prompt and engine.pending is None and engine.taint is None
+
+
+@pytest.mark.parametrize("length,exact", [(128, True), (150, False)])
+def test_a_prompt_scored_with_max_tokens_0_is_resumed_over_soundly(model, length, exact):
+    """The rows a scoring run leaves are a cold prefill's: the next prompt extends them. At a
+    grid line that resume is bit-exact (gate 1: the logprobs equal a cold engine's); off the
+    grid it is marked tainted there and holds the greedy gate (identical tokens)."""
+    prompt, more = fresh(length, 8), fresh(30, 9)
+    engine = Engine(model, window=WINDOW, prefix_chunk=CHUNK)
+    engine.generate(prompt, SamplingParams(max_tokens=0, prompt_logprobs=1))
+    warm = engine.generate(prompt + more, SamplingParams(max_tokens=10, logprobs=2))
+    cold = run(model, prompt + more, max_tokens=10, logprobs=2)
+    assert warm.reused_tokens == length
+    assert warm.token_ids == cold.token_ids
+    if exact:
+        assert warm.logprobs == cold.logprobs
+        assert engine.taint == length + len(more)  # only the decoded rows
+    else:
+        assert engine.taint == length
