@@ -44,7 +44,8 @@ from tandem.cache.vocabulary import Source, Tier, tier_of
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
 
-__all__ = ["PromptEnd", "ResidentPrefix", "ResidentStats", "Resume", "SequenceEngine"]
+__all__ = ["ParkHoldings", "PromptEnd", "ResidentHoldings", "ResidentPrefix", "ResidentStats",
+           "Resume", "SequenceEngine", "TiersLent", "make_holdings"]
 
 log = structlog.get_logger()
 
@@ -115,23 +116,137 @@ class _Hits:
     prompt_end_hits: int = 0
 
 
+@dataclass
+class ResidentHoldings:
+    """What the resident actor owns: the anchors, the ends, the stash, and whose the rows in
+    place are (their session and namespace), with the counters of which offer served."""
+
+    anchors: Anchors
+    ends: Ends
+    stash: Stash
+    session: str | None = None
+    namespace: Namespace = SHARED
+    hits: _Hits = field(default_factory=_Hits)
+    records: object = None  # the end records (tandem/cache/endrecords.py), when aligned
+
+    def check_invariants(self, token_ids: list[int]) -> None:
+        self.anchors.check_invariants(len(token_ids))
+        self.ends.check_invariants(token_ids, self.stash.active)
+        self.stash.check_invariants()
+
+
+@dataclass
+class ParkHoldings:
+    """What the park actor owns: the pinned head and the parked session."""
+
+    pin: Pin
+    park: Park
+
+    def check_invariants(self) -> None:
+        self.pin.check_invariants()
+        self.park.check_invariants()
+
+
+def make_holdings(memory: MemoryAccountant, chunk: int, *, guest_max: int = 8192,
+                  keep_newest: int = 4, end_anchor: bool = True, stash_margin: int = 512,
+                  pin_every: int = 4, pin_max: int = 8, park_anchors: int = 4,
+                  prompt_end_anchor: bool = True) -> tuple[ResidentHoldings, ParkHoldings]:
+    """The five tiers over ``chunk``-row grid lines, their copies held to ``memory``."""
+    return (ResidentHoldings(
+        Anchors(memory, chunk=chunk, keep_newest=keep_newest, pin_every=pin_every,
+                pin_max=pin_max),
+        Ends(memory, end_anchor=end_anchor, prompt_end_anchor=prompt_end_anchor),
+        Stash(memory, guest_max=guest_max, stash_margin=stash_margin)),
+        ParkHoldings(Pin(memory, chunk=chunk, pin_every=pin_every, pin_max=pin_max),
+                     Park(memory, park_anchors=park_anchors)))
+
+
+class TiersLent(RuntimeError):
+    """The composer was used while the tiers were with their actors."""
+
+
 class ResidentPrefix:
-    def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, *,
-                 guest_max: int = 8192, keep_newest: int = 4, end_anchor: bool = True,
-                 stash_margin: int = 512, pin_every: int = 4, pin_max: int = 8,
-                 park_anchors: int = 4, prompt_end_anchor: bool = True):
+    """The composer. Built with its own tiers (``ResidentPrefix(engine, memory, ...)``: the
+    synchronous form the cache tests drive), or with none (``ResidentPrefix.lent_to(engine,
+    memory)``): the resident and park actors then lend theirs for each generation (``lend``)
+    and take them back after it (``give_back``)."""
+
+    def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, **knobs):
         self.engine = engine
         self.memory = memory
         self.chunk = engine.prefix_chunk
-        self.anchor_tier = Anchors(memory, chunk=self.chunk, keep_newest=keep_newest,
-                                   pin_every=pin_every, pin_max=pin_max)
-        self.ends = Ends(memory, end_anchor=end_anchor, prompt_end_anchor=prompt_end_anchor)
-        self.stash_tier = Stash(memory, guest_max=guest_max, stash_margin=stash_margin)
-        self.pin_tier = Pin(memory, chunk=self.chunk, pin_every=pin_every, pin_max=pin_max)
-        self.park_tier = Park(memory, park_anchors=park_anchors)
-        self.session: str | None = None  # of the rows in place
-        self.namespace: Namespace = SHARED  # of the rows in place, their anchors, end and stash
-        self._hits = _Hits()
+        self._tiers, self._park_tiers = make_holdings(memory, self.chunk, **knobs)
+
+    @classmethod
+    def lent_to(cls, engine: SequenceEngine, memory: MemoryAccountant) -> "ResidentPrefix":
+        composer = cls.__new__(cls)
+        composer.engine = engine
+        composer.memory = memory
+        composer.chunk = engine.prefix_chunk
+        composer._tiers = composer._park_tiers = None
+        return composer
+
+    def lend(self, resident: ResidentHoldings, park: ParkHoldings) -> None:
+        """The tiers, lent by their actors for one generation."""
+        assert resident.anchors.chunk == self.chunk, "tiers of another grid"
+        self._tiers, self._park_tiers = resident, park
+
+    def give_back(self) -> tuple[ResidentHoldings, ParkHoldings]:
+        lent = self._tiers, self._park_tiers
+        self._tiers = self._park_tiers = None
+        return lent
+
+    @property
+    def holdings(self) -> ResidentHoldings:
+        if self._tiers is None:
+            raise TiersLent("the resident tiers are with the resident actor")
+        return self._tiers
+
+    @property
+    def park_holdings(self) -> ParkHoldings:
+        if self._park_tiers is None:
+            raise TiersLent("the pin and the park are with the park actor")
+        return self._park_tiers
+
+    @property
+    def anchor_tier(self) -> Anchors:
+        return self.holdings.anchors
+
+    @property
+    def ends(self) -> Ends:
+        return self.holdings.ends
+
+    @property
+    def stash_tier(self) -> Stash:
+        return self.holdings.stash
+
+    @property
+    def pin_tier(self) -> Pin:
+        return self.park_holdings.pin
+
+    @property
+    def park_tier(self) -> Park:
+        return self.park_holdings.park
+
+    @property
+    def session(self) -> str | None:
+        return self.holdings.session
+
+    @session.setter
+    def session(self, value: str | None) -> None:
+        self.holdings.session = value
+
+    @property
+    def namespace(self) -> Namespace:
+        return self.holdings.namespace
+
+    @namespace.setter
+    def namespace(self, value: Namespace) -> None:
+        self.holdings.namespace = value
+
+    @property
+    def _hits(self) -> _Hits:
+        return self.holdings.hits
 
     # -- the tiers' holdings, by name ------------------------------------------------------
 
@@ -605,10 +720,6 @@ class ResidentPrefix:
         }
 
     def check_invariants(self) -> None:
-        eng = self.engine
-        self.anchor_tier.check_invariants(eng.length)
-        self.ends.check_invariants(eng.token_ids, self.stash_tier.active)
-        self.stash_tier.check_invariants()
-        self.pin_tier.check_invariants()
-        self.park_tier.check_invariants()
+        self.holdings.check_invariants(self.engine.token_ids)
+        self.park_holdings.check_invariants()
         self.memory.check_invariants()
