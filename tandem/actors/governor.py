@@ -85,7 +85,9 @@ class GovernorActor(Actor):
     def _tell(self, delta: GovernorDelta) -> None:
         try:
             self.try_tell(GovernorObserved(delta), sender="engine")
-        except (MailboxFull, ActorStopped):
+        except ActorStopped:
+            pass  # a shutdown: nobody asks for the report any more
+        except MailboxFull:
             log.warning("governor_observation_dropped")
 
     async def handle(self, msg: Message) -> object | None:
