@@ -13,6 +13,10 @@ engine holds the lock for each generation it runs; an outside holder holds it fr
 
 Invariants (`check_invariants`): at most one holder; a generation runs iff it is the holder; the
 FIFO holds no request twice; `waiting` counts the generations in the FIFO.
+
+What the loop shows of the engine (``view``, ``cache_stats``) the loop alone writes: the engine
+thread hands each value over with ``call_soon_threadsafe`` (the tokens it posts, the rows and
+taint a generation left, the caches' counters) and never touches an attribute the loop reads.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import structlog
 import torch
 
@@ -114,9 +119,31 @@ def _fatal(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "CUDA error" in str(exc)
 
 
+class RequestView(msgspec.Struct, frozen=True):
+    """The running request as the console sees it (its tokens counted on the loop)."""
+
+    id: str
+    phase: Literal["prefill", "decode"]
+    prompt_tokens: int
+    generated: int = 0
+
+
+class EngineView(msgspec.Struct, frozen=True):
+    """The engine as the loop publishes it, replaced whole, so a reader never sees the rows of
+    one moment with the taint of another: the rows in place and their taint as the last
+    generation left them, the engine's fixed shape, and the running request."""
+
+    rows_in_place: int = 0
+    taint: int | None = None
+    window: int | None = None
+    prefix_chunk: int | None = None
+    num_threads: int | None = None
+    request: RequestView | None = None
+
+
 class _Job:
-    """One accepted generation. ``generated`` and ``phase`` are written by the engine thread
-    and read by the loop (snapshot); each is a single attribute store."""
+    """One accepted generation. ``generated`` and ``phase`` are the engine thread's own (the
+    index it gives each token); the loop never reads them, it counts what it delivers."""
 
     def __init__(self, msg: Generate, accepted_s: float) -> None:
         self.request_id = msg.request_id
@@ -192,9 +219,10 @@ class EngineActor(Actor):
         # The records beside the resident prefix's ends, which a client's copy is aligned
         # with (engine thread only; built with the resident prefix).
         self.ends: EndRecords | None = None
-        # The caches' counters as the engine thread last published them (after each
-        # generation): the loop reads this dict, never the tiers' live state.
+        # The caches' counters as the engine thread last handed them over (after each
+        # generation), stored by the loop: the loop reads this dict, never the tiers' live state.
         self.cache_stats: dict = {"tiers": {}}
+        self.view = EngineView()  # written on the loop alone (snapshot reads it)
         self.queue_limit = queue_limit
         self.retry_after_s = retry_after_s
         if speculation not in ("off", "lookup"):
@@ -227,6 +255,7 @@ class EngineActor(Actor):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
         try:
             self.engine = await self._loop.run_in_executor(self._executor, self._build)
+            self.view = await self._loop.run_in_executor(self._executor, self._engine_view)
         except BaseException:
             self._executor.shutdown(wait=False, cancel_futures=True)
             raise
@@ -249,16 +278,35 @@ class EngineActor(Actor):
             self.governor.attach(MemoryAccountant({}), {}, engine.cost())  # workspace only
         return engine
 
+    def _engine_view(self) -> EngineView:
+        """On the engine thread: the engine as it stands, for the loop to publish."""
+        engine = self.engine
+        return EngineView(rows_in_place=engine.length, taint=engine.taint, window=engine.window,
+                          prefix_chunk=engine.prefix_chunk, num_threads=engine.num_threads)
+
     def _publish_cache_stats(self) -> None:
+        """On the engine thread: the caches' counters, made here and stored by the loop."""
         if self.resident is not None:
             resident = self.resident.statistics()
             ends = self.ends
             resident["alignments"] = dict(ends.alignments) if ends is not None else {}
             resident["replays"] = ends.replays if ends is not None else 0
             resident["aligned_to_store"] = ends.stored if ends is not None else 0
-            # The store's counters are read where its actor runs (/v1/cache/stats), not asked
-            # for from here after every request.
-            self.cache_stats = {"tiers": {"resident": resident}}
+            # The store's counters are asked of its actor (/v1/cache/stats), not asked for
+            # from here after every request.
+            self._to_loop(self._set_cache_stats, {"tiers": {"resident": resident}})
+
+    def _set_cache_stats(self, stats: dict) -> None:
+        self.cache_stats = stats
+
+    def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        """From the engine thread: ``callback(*args)`` on the loop, ahead of the running job's
+        end (the executor's future is completed through the loop after it)."""
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is left to read it
 
     async def on_stop(self) -> None:
         for job in list(self._jobs.values()):
@@ -296,21 +344,22 @@ class EngineActor(Actor):
         return estimate_retry_after(self.waiting, self._durations, elapsed, self.retry_after_s)
 
     def snapshot(self) -> dict:
-        """The engine for the console (tandem.server.keys.ENGINE's contract)."""
-        engine = self.engine
+        """The engine for the console (tandem.server.keys.ENGINE's contract): the published
+        view and the loop's own counts, never the engine's live fields."""
+        view = self.view
         holder = self._lock.holder
-        current = holder if isinstance(holder, _Job) else None
+        request = view.request
         return {
-            "rows_in_place": engine.length if engine is not None else 0,
-            "window": engine.window if engine is not None else None,
-            "prefix_chunk": engine.prefix_chunk if engine is not None else None,
-            "num_threads": engine.num_threads if engine is not None else None,
-            "taint": engine.taint if engine is not None else None,
-            "request": None if current is None else {
-                "id": current.request_id,
-                "phase": current.phase,
-                "prompt_tokens": len(current.prompt_ids),
-                "generated": current.generated,
+            "rows_in_place": view.rows_in_place,
+            "window": view.window,
+            "prefix_chunk": view.prefix_chunk,
+            "num_threads": view.num_threads,
+            "taint": view.taint,
+            "request": None if request is None else {
+                "id": request.id,
+                "phase": request.phase,
+                "prompt_tokens": request.prompt_tokens,
+                "generated": request.generated,
             },
             "waiting": self.waiting,
             "draining": self._draining,
@@ -418,13 +467,26 @@ class EngineActor(Actor):
 
     def _start(self, job: _Job) -> None:
         assert self._loop is not None and self._executor is not None
-        job.phase = "prefill"
         job.started_s = self.clock.monotonic()
+        self.view = msgspec.structs.replace(self.view, request=RequestView(
+            job.request_id, "prefill", len(job.prompt_ids)))
         queued_ms = (self.clock.monotonic() - job.accepted_s) * 1000.0
         self._emit(job.reply_to, GenerationStarted(job.request_id, len(job.prompt_ids), queued_ms),
                    job)
-        self._running = self._loop.run_in_executor(self._executor, self._generate, job)
+        self._running = self._loop.run_in_executor(self._executor, self._execute, job)
         self._running.add_done_callback(lambda fut: self._done(job, fut))
+
+    def _execute(self, job: _Job) -> "_Outcome":
+        """On the engine thread: the generation, then the rows it left in place and their
+        taint handed to the loop, whether it finished or failed."""
+        try:
+            return self._generate(job)
+        finally:
+            engine = self.engine
+            self._to_loop(self._ended, engine.length, engine.taint)
+
+    def _ended(self, rows_in_place: int, taint: int | None) -> None:
+        self.view = msgspec.structs.replace(self.view, rows_in_place=rows_in_place, taint=taint)
 
     def _generate(self, job: _Job) -> "_Outcome":
         """On the engine thread: the whole generation, tokens posted to the loop as they come."""
@@ -550,9 +612,17 @@ class EngineActor(Actor):
         """From the engine thread to the loop."""
         assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._emit, job.reply_to, msg, job)
+            self._loop.call_soon_threadsafe(self._arrived, job, msg)
         except RuntimeError:
             job.cancel.set()  # the loop has closed: nobody is left to read the tokens
+
+    def _arrived(self, job: _Job, msg: Message) -> None:
+        """On the loop: an event of the running job, counted in the view, then delivered."""
+        request = self.view.request
+        if isinstance(msg, TokenGenerated) and request is not None and request.id == job.request_id:
+            self.view = msgspec.structs.replace(self.view, request=msgspec.structs.replace(
+                request, phase="decode", generated=msg.index + 1))
+        self._emit(job.reply_to, msg, job)
 
     def _done(self, job: _Job, fut: asyncio.Future[Any]) -> None:
         """On the loop, after every token of the job was delivered (the executor sets its
@@ -560,6 +630,7 @@ class EngineActor(Actor):
         self._running = None
         self._lock.release(job)
         self._jobs.pop(job.request_id, None)
+        self.view = msgspec.structs.replace(self.view, request=None)
         if job.started_s is not None and not fut.cancelled() and fut.exception() is None:
             self._durations.append(self.clock.monotonic() - job.started_s)
         if fut.cancelled():

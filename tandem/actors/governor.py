@@ -9,17 +9,24 @@ the event loop and could only relay the same decision. What goes through this ac
 comes from outside: an edit of the limits (`SetMemoryLimits`, from POST /v1/memory/limits) and
 the report (`GetMemoryReport`). Limits are one immutable object the core swaps whole, so the
 engine thread sees either the old limits or the new ones.
+
+The counters are this actor's: what the core counts on the engine thread comes here as a
+`GovernorObserved` tell (posted to the loop with ``call_soon_threadsafe``, never waited on), and
+only ``handle`` writes ``stats``, which the report reads. A refusal's count is posted before its
+exception leaves the core, so it is in the mailbox ahead of any later ask for the report.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import structlog
 
+from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
-from tandem.actors.runtime import Actor
-from tandem.cache.governor import MemoryGovernor, MemoryLimits
+from tandem.actors.runtime import Actor, ActorStopped
+from tandem.cache.governor import GovernorDelta, GovernorStats, MemoryGovernor, MemoryLimits
 
 log = structlog.get_logger("tandem.governor")
 
@@ -47,14 +54,46 @@ class MemoryReport(Message):
     error: str | None = None  # why a SetMemoryLimits was refused
 
 
+class GovernorObserved(Message):
+    """Sender: the governor's core, on the engine thread (tell, posted to the loop). What one
+    of its calls counted: sheds per level, refused growth, refusals, prefills, reserve
+    releases, the workspace raised, the most held in a prefill and the last prefill."""
+
+    delta: GovernorDelta
+
+
 class GovernorActor(Actor):
     def __init__(self, name: str = "governor", *, core: MemoryGovernor,
-                 **actor_options: Any) -> None:
-        super().__init__(name, **actor_options)
+                 mailbox_capacity: int = 256, **actor_options: Any) -> None:
+        super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self.core = core
+        # Written by handle alone, on the loop (GovernorObserved); read by report.
+        self.stats = GovernorStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def on_start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.stats = self.core.report_to(self._observed)
+
+    def _observed(self, delta: GovernorDelta) -> None:
+        """Any thread (the engine's, or the loop's when a store reserve asks the gate)."""
+        try:
+            self._loop.call_soon_threadsafe(self._tell, delta)
+        except RuntimeError:
+            pass  # the loop has closed: nobody is left to read the report
+
+    def _tell(self, delta: GovernorDelta) -> None:
+        try:
+            self.try_tell(GovernorObserved(delta), sender="engine")
+        except ActorStopped:
+            pass  # a shutdown: nobody asks for the report any more
+        except MailboxFull:
+            log.warning("governor_observation_dropped")
 
     async def handle(self, msg: Message) -> object | None:
         match msg:
+            case GovernorObserved(delta=delta):
+                self.stats.apply(delta)
             case SetMemoryLimits():
                 current = self.core.limits.to_gib()
                 wanted = {k: v if v is not None else current[k] for k, v in (
@@ -78,5 +117,5 @@ class GovernorActor(Actor):
                 raise TypeError(f"{self.name} does not handle {type(msg).__name__}")
 
     def report(self) -> dict[str, Any]:
-        """Read on the loop; the counters are plain ints the engine thread writes."""
-        return self.core.statistics()
+        """On the loop: the core's limits and readings, this actor's counters."""
+        return self.core.statistics(self.stats)

@@ -19,6 +19,12 @@ Pure logic: no asyncio and no clock. The caches live on the engine thread, so th
 calls every method but ``set_limits`` / ``statistics`` (the governor actor's, on the loop): the
 governor decides what to shed and calls the tiers' shedders, which therefore run on the engine
 thread too. Limits are one immutable object replaced whole, so a reader never sees half an edit.
+
+The counters have one owner. What a call counts (a shed, a refusal, a prefill) leaves it as one
+frozen `GovernorDelta` handed to ``observed``: by default the core's own `GovernorStats` (a core
+used alone, as in the cache tests), and, once the governor actor runs, a tell to that actor,
+whose handler alone writes the stats its report shows. What the core decides with (the workspace
+raise, the running prefill) stays the core's, on the thread that calls it.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ import ctypes.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
+import msgspec
 import structlog
 
 from tandem.cache.memory import LEVELS, MemoryAccountant
@@ -210,6 +217,40 @@ class CudaAllocator:
         return self._cuda.get_device_properties(self.index).total_memory
 
 
+class GovernorDelta(msgspec.Struct, frozen=True):
+    """What one call of the core counted; built by that call alone and never changed after."""
+
+    shed_total: dict[str, int] = {}  # level -> sheds
+    shed_nbytes: dict[str, int] = {}  # level -> bytes freed
+    refused_growth: dict[str, int] = {}  # level -> reserves refused
+    refusals: int = 0
+    prefills: int = 0
+    reserve_releases: int = 0
+    workspace_raised_nbytes: int = 0
+    max_prefill_nbytes: int = 0  # merged by max
+    last_prefill: dict[str, int] | None = None  # replaces the last one
+
+
+class _Tally:
+    """The counts of one call in progress, on the thread making it."""
+
+    def __init__(self) -> None:
+        self.shed_total: dict[str, int] = {}
+        self.shed_nbytes: dict[str, int] = {}
+        self.refused_growth: dict[str, int] = {}
+        self.counts: dict[str, Any] = {}
+
+    def shed(self, level: str, nbytes: int) -> None:
+        self.shed_total[level] = self.shed_total.get(level, 0) + 1
+        self.shed_nbytes[level] = self.shed_nbytes.get(level, 0) + nbytes
+
+    def delta(self) -> GovernorDelta | None:
+        if not (self.shed_total or self.refused_growth or self.counts):
+            return None
+        return GovernorDelta(shed_total=self.shed_total, shed_nbytes=self.shed_nbytes,
+                             refused_growth=self.refused_growth, **self.counts)
+
+
 @dataclass
 class GovernorStats:
     shed_total: dict = field(default_factory=lambda: {level: 0 for level in LEVELS})
@@ -222,6 +263,27 @@ class GovernorStats:
     max_prefill_nbytes: int = 0  # the most held seen during any prefill
     last_prefill: dict = field(default_factory=dict)
 
+    def apply(self, delta: GovernorDelta) -> None:
+        """By the stats' owner only (the governor actor's handler, or a core used alone)."""
+        for mine, theirs in ((self.shed_total, delta.shed_total),
+                             (self.shed_nbytes, delta.shed_nbytes),
+                             (self.refused_growth, delta.refused_growth)):
+            for level, n in theirs.items():
+                mine[level] += n
+        self.refusals += delta.refusals
+        self.prefills += delta.prefills
+        self.reserve_releases += delta.reserve_releases
+        self.workspace_raised_nbytes += delta.workspace_raised_nbytes
+        self.max_prefill_nbytes = max(self.max_prefill_nbytes, delta.max_prefill_nbytes)
+        if delta.last_prefill is not None:
+            self.last_prefill = dict(delta.last_prefill)
+
+    def copy(self) -> "GovernorStats":
+        return GovernorStats(dict(self.shed_total), dict(self.shed_nbytes),
+                             dict(self.refused_growth), self.refusals, self.prefills,
+                             self.reserve_releases, self.workspace_raised_nbytes,
+                             self.max_prefill_nbytes, dict(self.last_prefill))
+
 
 class MemoryGovernor:
     def __init__(self, limits: MemoryLimits, allocator: Allocator, *,
@@ -232,7 +294,12 @@ class MemoryGovernor:
         self.memory: MemoryAccountant | None = None
         self.shedders: dict[str, Callable[[int], int]] = {}
         self.cost: Cost | None = None
+        # The core's own count, the owner of the counters while no actor took them (report_to).
         self.stats = GovernorStats()
+        self.observed: Callable[[GovernorDelta], None] = self.stats.apply
+        # What the core decides with, on the thread that calls it (the engine's): what prefills
+        # were seen to take beyond the estimate, and the running prefill.
+        self._workspace_raised_nbytes = 0
         self._prefill: dict | None = None  # the running prefill: workspace, held before, max
 
     # -- wiring and limits -----------------------------------------------------------------
@@ -248,6 +315,19 @@ class MemoryGovernor:
         self.shedders = dict(shedders)
         self.cost = cost
         memory.gate = self.admit
+
+    def report_to(self, observed: Callable[[GovernorDelta], None]) -> GovernorStats:
+        """From now on every count goes to ``observed`` (any thread may call it: the actor's
+        posts it to the loop); returns a copy of what was counted so far, which the new owner
+        starts from. Called before any request runs (the governor actor's on_start)."""
+        counted = self.stats.copy()
+        self.observed = observed
+        return counted
+
+    def _emit(self, tally: _Tally) -> None:
+        delta = tally.delta()
+        if delta is not None:
+            self.observed(delta)
 
     @property
     def limits(self) -> MemoryLimits:
@@ -280,14 +360,20 @@ class MemoryGovernor:
         held = self.measure().held_nbytes
         if held + nbytes <= limit:
             return True
-        cheaper = LEVELS[:LEVELS.index(level)]
-        held = self._shed(cheaper, lambda h: h + nbytes <= limit, held + nbytes - limit)
-        if held + nbytes <= limit:
-            return True
-        self.stats.refused_growth[level] += 1
-        return False
+        tally = _Tally()
+        try:
+            cheaper = LEVELS[:LEVELS.index(level)]
+            held = self._shed(cheaper, lambda h: h + nbytes <= limit, held + nbytes - limit,
+                              tally)
+            if held + nbytes <= limit:
+                return True
+            tally.refused_growth[level] = 1
+            return False
+        finally:
+            self._emit(tally)  # also what was shed before a shedder raised
 
-    def _shed(self, levels: tuple[str, ...], fits: Callable[[int], bool], need: int) -> int:
+    def _shed(self, levels: tuple[str, ...], fits: Callable[[int], bool], need: int,
+              tally: _Tally) -> int:
         """Shed ``levels`` cheapest first until ``fits(held)``; the held bytes measured last."""
         held = self.measure().held_nbytes
         for level in levels:
@@ -298,8 +384,7 @@ class MemoryGovernor:
                 continue
             freed = shed(max(need, 1))
             if freed:
-                self.stats.shed_total[level] += 1
-                self.stats.shed_nbytes[level] += freed
+                tally.shed(level, freed)
                 log.info("memory_shed", level=level, nbytes=freed)
                 self.allocator.release_reserve()
                 new_held = self.measure().held_nbytes
@@ -311,7 +396,7 @@ class MemoryGovernor:
 
     def workspace_nbytes(self, num_tokens: int) -> int:
         base = self.cost.workspace_nbytes(num_tokens) if self.cost is not None else 0
-        return base + self.stats.workspace_raised_nbytes
+        return base + self._workspace_raised_nbytes
 
     def before_prefill(self, num_tokens: int) -> int:
         """Make room for a prefill over ``num_tokens`` context tokens: when it does not fit, the
@@ -321,23 +406,29 @@ class MemoryGovernor:
         peak = self._limits.peak_nbytes
         workspace = self.workspace_nbytes(num_tokens)
         held = self.measure().held_nbytes
-        if held + workspace > peak:
-            # The allocator's free blocks go back only when the prefill needs their room (the
-            # spec's order: the reserve first, then caches): memory handed back costs page
-            # faults when it is touched again.
-            self.allocator.release_reserve()
-            held = self.measure().held_nbytes
-        if held + workspace > peak:
-            held = self._shed(LEVELS, lambda h: h + workspace <= peak, held + workspace - peak)
-        if held + workspace > peak:
-            self.stats.refusals += 1
-            log.warning("prefill_refused", num_tokens=num_tokens, held=held,
-                        workspace=workspace, peak=peak)
-            raise MemoryRefused(held + workspace, peak, self.retry_after_s)
-        self._prefill = {"workspace": workspace, "before": held, "max": held,
-                         "num_tokens": num_tokens}
-        self.stats.prefills += 1
-        return workspace
+        tally = _Tally()
+        try:
+            if held + workspace > peak:
+                # The allocator's free blocks go back only when the prefill needs their room
+                # (the spec's order: the reserve first, then caches): memory handed back costs
+                # page faults when it is touched again.
+                self.allocator.release_reserve()
+                held = self.measure().held_nbytes
+            if held + workspace > peak:
+                held = self._shed(LEVELS, lambda h: h + workspace <= peak,
+                                  held + workspace - peak, tally)
+            if held + workspace > peak:
+                tally.counts["refusals"] = 1
+                log.warning("prefill_refused", num_tokens=num_tokens, held=held,
+                            workspace=workspace, peak=peak)
+                raise MemoryRefused(held + workspace, peak, self.retry_after_s)
+            self._prefill = {"workspace": workspace, "before": held, "max": held,
+                             "num_tokens": num_tokens}
+            tally.counts["prefills"] = 1
+            return workspace
+        finally:
+            # Before the refusal reaches anyone: the 503 is never answered ahead of its count.
+            self._emit(tally)
 
     def observe(self) -> None:
         """Between prefill chunks: what is held now, for the peak seen."""
@@ -355,19 +446,25 @@ class MemoryGovernor:
         self.observe()
         self._prefill = None
         taken = p["max"] - p["before"]
+        tally = _Tally()
         if taken > p["workspace"]:
-            self.stats.workspace_raised_nbytes += taken - p["workspace"]
+            self._workspace_raised_nbytes += taken - p["workspace"]
+            tally.counts["workspace_raised_nbytes"] = taken - p["workspace"]
             log.info("workspace_raised", taken=taken, estimate=p["workspace"])
-        self.stats.max_prefill_nbytes = max(self.stats.max_prefill_nbytes, p["max"])
-        self.stats.last_prefill = {"num_tokens": p["num_tokens"], "workspace": p["workspace"],
-                                   "taken": taken, "max_held": p["max"]}
+        tally.counts["max_prefill_nbytes"] = p["max"]
+        tally.counts["last_prefill"] = {"num_tokens": p["num_tokens"],
+                                        "workspace": p["workspace"], "taken": taken,
+                                        "max_held": p["max"]}
+        self._emit(tally)
 
     def after_request(self) -> None:
         """Between requests: free blocks over the slack go back to the system."""
         self._prefill = None
         if self.measure().reserve_nbytes > self._limits.slack_nbytes:
             self.allocator.release_reserve()
-            self.stats.reserve_releases += 1
+            tally = _Tally()
+            tally.counts["reserve_releases"] = 1
+            self._emit(tally)
 
     # -- reporting -------------------------------------------------------------------------
 
@@ -375,8 +472,10 @@ class MemoryGovernor:
         held = self.memory.held if self.memory is not None else {}
         return {level: held.get(level, 0) for level in LEVELS}
 
-    def statistics(self) -> dict:
-        s = self.stats
+    def statistics(self, stats: GovernorStats | None = None) -> dict:
+        """The report: the limits and what is held, measured now, and the counters of
+        ``stats`` (the owner's; None: the core's own, for a core used alone)."""
+        s = self.stats if stats is None else stats
         reading = self.measure()
         return {
             "device": self.allocator.device,

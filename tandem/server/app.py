@@ -18,8 +18,8 @@ from aiohttp import web
 from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
-from tandem.actors.governor import GovernorActor
-from tandem.actors.store import StoreActor
+from tandem.actors.governor import GetMemoryReport, GovernorActor
+from tandem.actors.store import GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import MemoryAccountant
@@ -29,7 +29,7 @@ from tandem.cache.store import StateStore, StoreCore
 from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
-from tandem.server.errors import error_middleware
+from tandem.server.errors import ApiError, error_middleware
 from tandem.server.guard import guard_middleware
 from tandem.server.journal import Journal
 from tandem.server.keys import (
@@ -53,6 +53,7 @@ log = structlog.get_logger("tandem.server")
 GiB = 1 << 30
 MiB = 1 << 20
 DRAIN_TIMEOUT_S = 600.0  # the longest a shutdown waits for the running generation
+STATS_ASK_TIMEOUT_S = 5.0  # the longest a stats route waits for an actor's answer
 
 
 def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.Application:
@@ -95,8 +96,9 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     if store is not None:
         supervisor.add(store)  # before the engine, which asks it from its first request
     supervisor.add(engine)
+    governor_actor = None
     if governor is not None:
-        supervisor.add(GovernorActor("governor", core=governor))
+        governor_actor = supervisor.add(GovernorActor("governor", core=governor))
     journal = Journal(config.journal_path())
     metrics = Metrics()
     path = getattr(loaded, "path", None)
@@ -114,8 +116,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
                   lambda: 1 if engine.snapshot().get("request") else 0)
     if config.cache.response_cache:
         state.response_cache = ResponseCache(int(config.cache.response_cache_mb * MiB))
-    if governor is not None:
-        add_memory(app_metrics=metrics, governor=governor)
+    if governor_actor is not None:
+        add_memory(app_metrics=metrics, governor=governor_actor)
 
     # error_middleware outermost: a guard's refusal is answered in the OpenAI format too.
     app = web.Application(client_max_size=config.server.max_body_bytes,
@@ -128,8 +130,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     app[MODEL_NAME] = loaded.name
     app[SUFFIX] = suffix
     app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix)
-    if governor is not None:
-        app[MEMORY] = governor.statistics
+    if governor_actor is not None:
+        app[MEMORY] = partial(_memory_report, governor_actor)
     app.cleanup_ctx.append(_system)
 
     add_openai_routes(app)
@@ -186,13 +188,26 @@ def make_governor(config: Config, model) -> MemoryGovernor:
     return MemoryGovernor(limits, allocator)
 
 
-def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
-                 suffix: SuffixActor | None) -> dict:
+async def _ask(actor: Actor, msg, what: str):
+    """An actor's reply for a stats route; one that stopped or does not answer is a 503."""
+    try:
+        return await actor.ask(msg, STATS_ASK_TIMEOUT_S, sender="server")
+    except ActorStopped:
+        raise ApiError(503, f"the {what} has stopped", code=f"{actor.name}_stopped") from None
+    except TimeoutError:
+        raise ApiError(503, f"the {what} did not answer in time", code=f"{actor.name}_busy",
+                       retry_after_s=STATS_ASK_TIMEOUT_S) from None
+
+
+async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
+                       suffix: SuffixActor | None) -> dict:
+    # The resident's counters as the engine actor published them on the loop after the last
+    # generation (never a tier's live state, which is the engine thread's).
     doc = getattr(engine, "cache_stats", {"tiers": {}})
     extra = {}
     if store is not None:
-        # Read on the loop, where the store actor runs: current, not as of the last request.
-        extra["store"] = store.core.statistics()
+        # Asked of the store actor, in its mailbox's order: current, not as of the last request.
+        extra["store"] = (await _ask(store, GetStoreStats(), "state store")).stats
     if state.response_cache is not None:
         extra["response"] = state.response_cache.statistics()
     if suffix is not None:
@@ -200,6 +215,10 @@ def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
     return doc
+
+
+async def _memory_report(governor: GovernorActor) -> dict:
+    return (await _ask(governor, GetMemoryReport(), "memory governor")).report
 
 
 async def _system(app: web.Application) -> AsyncIterator[None]:
@@ -247,4 +266,4 @@ async def metrics_route(request: web.Request) -> web.Response:
 
 
 async def cache_stats(request: web.Request) -> web.Response:
-    return web.json_response(request.app[CACHE_STATS]())
+    return web.json_response(await request.app[CACHE_STATS]())

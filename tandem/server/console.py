@@ -10,13 +10,14 @@ polls /v1/actors about twice a second. The document:
       "graph":   {"nodes": [GraphNode...], "edges": [GraphEdge...]} or null,
       "engine":  app[ENGINE].snapshot() or null,
       "journal": app[JOURNAL].tail(20) (newest last) or null,
-      "cache":   app[CACHE_STATS]() ({"tiers": {name: {counters}}}) or null,
-      "memory":  app[MEMORY]() (the governor's report: limits, held, levels, sheds) or null,
+      "cache":   await app[CACHE_STATS]() ({"tiers": {name: {counters}}}) or null,
+      "memory":  await app[MEMORY]() (the governor's report: limits, held, levels, sheds) or null,
       "errors":  {part: exception type name} for the parts whose source raised,
     }
 
 A part whose key is not in the app (no engine yet) is null; a source that raises is logged and
-its part is null too, so one broken source never blanks the whole console.
+its part is null too, so one broken source never blanks the whole console. A source may be a
+coroutine function (the cache stats and the memory report ask their actors): it is awaited.
 
 Rates are computed here, not in the page, so every client sees the same number: a `RateMeter`
 keeps one sample per actor and refreshes it when at least `min_interval_s` has passed, so that
@@ -25,6 +26,7 @@ several pages polling at once do not turn each other's deltas into noise.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,7 +86,7 @@ async def _console_page(request: web.Request) -> web.StreamResponse:
 
 
 async def _actors_document(request: web.Request) -> web.Response:
-    document = console_document(request.app)
+    document = await console_document(request.app)
     return web.Response(
         body=msgspec.json.encode(document, enc_hook=_encode_other),
         content_type="application/json",
@@ -92,15 +94,15 @@ async def _actors_document(request: web.Request) -> web.Response:
     )
 
 
-def console_document(app: web.Application) -> dict[str, Any]:
+async def console_document(app: web.Application) -> dict[str, Any]:
     """The /v1/actors document (see the module docstring)."""
     errors: dict[str, str] = {}
     supervisor = app.get(SUPERVISOR)
     actors: list[dict[str, Any]] = []
     graph: Any = None
     if supervisor is not None:
-        actors = _read(errors, "actors", lambda: _actor_rows(app, supervisor)) or []
-        graph = _read(errors, "graph", lambda: msgspec.to_builtins(supervisor.graph()))
+        actors = await _read(errors, "actors", lambda: _actor_rows(app, supervisor)) or []
+        graph = await _read(errors, "graph", lambda: msgspec.to_builtins(supervisor.graph()))
     engine = app.get(ENGINE)
     journal = app.get(JOURNAL)
     cache_stats = app.get(CACHE_STATS)
@@ -109,12 +111,13 @@ def console_document(app: web.Application) -> dict[str, Any]:
         "at_s": SYSTEM_CLOCK.wall_time(),
         "actors": actors,
         "graph": graph,
-        "engine": None if engine is None else _read(errors, "engine", engine.snapshot),
+        "engine": None if engine is None else await _read(errors, "engine", engine.snapshot),
         "journal": (
-            None if journal is None else _read(errors, "journal", lambda: journal.tail(JOURNAL_ROWS))
+            None if journal is None
+            else await _read(errors, "journal", lambda: journal.tail(JOURNAL_ROWS))
         ),
-        "cache": None if cache_stats is None else _read(errors, "cache", cache_stats),
-        "memory": None if memory is None else _read(errors, "memory", memory),
+        "cache": None if cache_stats is None else await _read(errors, "cache", cache_stats),
+        "memory": None if memory is None else await _read(errors, "memory", memory),
         "errors": errors,
     }
 
@@ -134,9 +137,10 @@ def _actor_rows(app: web.Application, supervisor: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _read(errors: dict[str, str], part: str, source: Callable[[], Any]) -> Any:
+async def _read(errors: dict[str, str], part: str, source: Callable[[], Any]) -> Any:
     try:
-        return source()
+        value = source()
+        return await value if inspect.isawaitable(value) else value
     except Exception as exc:  # one broken source must not blank the whole console
         log.warning("console_source_failed", part=part, error=type(exc).__name__, reason=str(exc))
         errors[part] = type(exc).__name__

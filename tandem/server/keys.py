@@ -3,13 +3,16 @@
 - SUPERVISOR: the tandem.actors.Supervisor that owns every actor (its ``graph()`` and
   ``statistics()`` feed /v1/actors and the console).
 - ENGINE: the engine actor; ``snapshot() -> dict`` gives rows_in_place, window, prefix_chunk,
-  num_threads, taint and the current request (id, phase, prompt_tokens, generated) or None.
+  num_threads, taint and the current request (id, phase, prompt_tokens, generated) or None,
+  from the frozen view the loop publishes (EngineView: the rows and taint as the last
+  generation left them, the tokens counted as the loop delivered them).
 - JOURNAL: the journal; ``tail(n) -> list[dict]`` gives its last rows, newest last.
 - CONFIG: the tandem.config.Config the server runs with.
 - MODEL_NAME: the id /v1/models lists.
-- CACHE_STATS: a callable returning the /v1/cache/stats document (tiers, each with counters).
-- MEMORY: a callable returning the memory governor's report (limits, held, levels, sheds);
-  absent when no governor runs.
+- CACHE_STATS: a coroutine function returning the /v1/cache/stats document (tiers, each with
+  counters), each tier's asked of its actor (a plain function returning it is read as well).
+- MEMORY: a coroutine function returning the memory governor actor's report (limits, held,
+  levels, sheds), asked of it; absent when no governor runs.
 - SUFFIX: the suffix store actor (``report() -> dict`` for /health), or None when there is none.
 """
 
@@ -24,6 +27,6 @@ ENGINE: web.AppKey[Any] = web.AppKey("engine", object)
 JOURNAL: web.AppKey[Any] = web.AppKey("journal", object)
 CONFIG: web.AppKey[Any] = web.AppKey("config", object)
 MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
-CACHE_STATS: web.AppKey[Callable[[], dict]] = web.AppKey("cache_stats", object)
-MEMORY: web.AppKey[Callable[[], dict]] = web.AppKey("memory", object)
+CACHE_STATS: web.AppKey[Callable[[], Any]] = web.AppKey("cache_stats", object)
+MEMORY: web.AppKey[Callable[[], Any]] = web.AppKey("memory", object)
 SUFFIX: web.AppKey[Any] = web.AppKey("suffix", object)

@@ -29,13 +29,15 @@ LIMIT_KEYS = ("mem_ceiling_gib", "mem_peak_gib", "reserve_slack_gib")
 
 class _MemoryCollector:
     """tandem_memory_bytes{level} (each cache level, and "engine": what is measured held) and
-    tandem_memory_shed_total{level}, read from the governor's core when scraped."""
+    tandem_memory_shed_total{level}, from the governor actor's report when scraped: a scrape is
+    synchronous, so it reads the report on the loop, the thread whose handler alone writes its
+    counters, instead of asking."""
 
     def __init__(self, governor: Any) -> None:
-        self.governor = governor
+        self.governor = governor  # the GovernorActor
 
     def collect(self):
-        report = self.governor.statistics()
+        report = self.governor.report()
         held = GaugeMetricFamily("tandem_memory_bytes",
                                  "Bytes each cache level holds; level=engine: what the engine "
                                  "holds as measured (allocated plus the allocator's reserve).",

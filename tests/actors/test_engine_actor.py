@@ -376,3 +376,107 @@ async def test_with_caches_off_another_namespace_never_extends_the_rows_in_place
         out_s, done_s = await run("s1", longer + out_a + [5], "")
         assert (done_s.cache_source, done_s.reused_tokens) == ("cold", 0)
         assert out_s == out_b
+
+
+class EngineThreadOnly(ScriptedEngine):
+    """A scripted engine whose rows and taint may be read only on the thread it was built on,
+    the engine thread: a read from the loop raises."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.owner = threading.get_ident()
+        super().__init__(*args, **kwargs)
+
+    def _check(self) -> None:
+        if threading.get_ident() != self.owner:
+            raise AssertionError("the engine's rows were read off the engine thread")
+
+    @property
+    def length(self) -> int:
+        self._check()
+        return len(self.token_ids)
+
+    @property
+    def taint(self) -> int | None:
+        self._check()
+        return self._taint
+
+    @taint.setter
+    def taint(self, value: int | None) -> None:
+        self._check()
+        self._taint = value
+
+
+async def test_the_snapshot_shows_the_view_the_loop_published_never_the_engines_fields():
+    built: list[EngineThreadOnly] = []
+    harness = Harness()
+    client = harness.probe("client")
+    actor = harness.add(EngineActor("engine", make_engine=lambda: built.append(
+        EngineThreadOnly(list(range(10, 20)), gated=True)) or built[0], clock=harness.clock))
+    four = GenerationParams(max_tokens=4)
+
+    def rows(snap):
+        return snap["rows_in_place"], snap["taint"], snap["request"]
+
+    async with harness:
+        (engine,) = built
+        snap = actor.snapshot()
+        assert (snap["window"], snap["prefix_chunk"], snap["num_threads"]) == (4096, 64, 1)
+        assert rows(snap) == (0, None, None)
+        await generate(harness, client, "r1", params=four)
+        await client.expect(GenerationStarted)
+        assert rows(actor.snapshot()) == (0, None, {"id": "r1", "phase": "prefill",
+                                                    "prompt_tokens": 3, "generated": 0})
+        engine.step(2)
+        await client.expect(TokenGenerated)
+        await client.expect(TokenGenerated)
+        # The tokens as the loop delivered them; the rows as the last generation left them.
+        assert rows(actor.snapshot()) == (0, None, {"id": "r1", "phase": "decode",
+                                                    "prompt_tokens": 3, "generated": 2})
+        engine.step(2)
+        assert [(await client.expect(TokenGenerated)).index for _ in range(2)] == [2, 3]
+        done = await client.expect(GenerationFinished)
+        assert done.completion_tokens == 4
+        assert rows(actor.snapshot()) == (3 + 4 - 1, 3, None)
+        await generate(harness, client, "r2", prompt=(1, 2, 3, 10, 11, 12, 99), params=four)
+        engine.step(1)
+        assert (await client.expect(TokenGenerated)).request_id == "r2"
+        # The rows and the taint of one moment, whatever the engine holds now.
+        snap = actor.snapshot()
+        assert rows(snap)[:2] == (6, 3) and snap["request"]["generated"] == 1
+        engine.step(3)
+        await client.expect(GenerationFinished)
+        assert rows(actor.snapshot()) == (7 + 4 - 1, 3, None)
+        actor.check_invariants()
+
+
+async def test_what_the_loop_reads_of_the_engine_actor_the_loop_alone_writes(monkeypatch):
+    """The caches' counters and the view: made on the engine thread, stored by the loop."""
+    from tandem.cache.memory import MemoryAccountant
+    from tandem.cache.resident import ResidentPrefix
+    from tandem.models.third import ThirdModel
+
+    writers: list[tuple[str, int]] = []
+
+    def watched(self, name, value):
+        if name in ("cache_stats", "view"):
+            writers.append((name, threading.get_ident()))
+        object.__setattr__(self, name, value)
+
+    monkeypatch.setattr(EngineActor, "__setattr__", watched)
+    budgets = {level: 64 << 20 for level in ("anchors", "end", "stash", "park", "pin")}
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    actor = harness.add(EngineActor(
+        "engine", make_engine=lambda: Engine(ThirdModel(), window=256, prefix_chunk=16),
+        make_resident=lambda engine: ResidentPrefix(engine, MemoryAccountant(budgets))))
+    prompt = [(i * 7 + 3) % 97 for i in range(40)]
+    async with harness:
+        for rid, more in (("a", []), ("b", [5, 6, 7])):
+            await generate(harness, client, rid, prompt=prompt + more,
+                           params=GenerationParams(max_tokens=3))
+            await client.expect(GenerationFinished, 10)
+        resident = actor.cache_stats["tiers"]["resident"]
+        assert resident["cold"] == 1 and resident["rows_in_place"] == actor.snapshot()[
+            "rows_in_place"]
+    assert {thread for _, thread in writers} == {threading.get_ident()}, "an engine-thread write"
+    assert {name for name, _ in writers} == {"cache_stats", "view"}

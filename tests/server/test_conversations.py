@@ -110,7 +110,7 @@ async def test_an_open_webui_chat_without_its_reasoning_resumes_at_the_end_throu
         assert cache["aligned"] == "reasoning"
         assert cache["end_replayed"] > 0 and cache["reread"] < 40
         answer = resp.choices[0].message
-    stats = server.app[CACHE_STATS]()["tiers"]["resident"]
+    stats = (await server.app[CACHE_STATS]())["tiers"]["resident"]
     assert stats["alignments"] == {"reasoning": 2} and stats["guests"] == 2
 
 
@@ -143,7 +143,7 @@ async def test_a_short_open_webui_chat_comes_back_from_the_park_at_its_end(serve
         assert (cache["source"], cache["aligned"]) == ("park", "reasoning"), cache
         assert cache["reread"] < 30
         answer = resp.choices[0].message
-    stats = server.app[CACHE_STATS]()["tiers"]["resident"]
+    stats = (await server.app[CACHE_STATS]())["tiers"]["resident"]
     assert stats["park_hits"] == 2 and stats["guests"] == 0
 
 
@@ -165,5 +165,5 @@ async def test_an_open_webui_chat_whose_park_was_taken_comes_back_from_the_store
     cache = _cache(resp)
     assert (cache["source"], cache["aligned"]) == ("store", "reasoning"), cache
     assert cache["reread"] < 30
-    stats = server.app[CACHE_STATS]()["tiers"]
+    stats = (await server.app[CACHE_STATS]())["tiers"]
     assert stats["resident"]["aligned_to_store"] == 1 and stats["store"]["session_hits"] == 1

@@ -59,7 +59,7 @@ async def test_the_turn_after_a_store_resume_resumes_at_the_end_anchor(small_loa
     config = make_config(allow_forced_output=True, window=2048)
     async with serve(build_app(config, small_loaded)) as server:
         first, second, third = await _conversation(sdk(server), tasks=True)
-        stats = server.app[CACHE_STATS]()["tiers"]
+        stats = (await server.app[CACHE_STATS]())["tiers"]
     async with serve(build_app(config, small_loaded)) as server:
         alone = await _conversation(sdk(server), tasks=False)
     assert _cache(second)["source"] == "store" and _cache(second)["aligned"] == "reasoning"

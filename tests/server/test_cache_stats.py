@@ -1,0 +1,52 @@
+"""/v1/cache/stats and the console's cache and memory parts ask each actor on the loop: the
+store's counters are the store actor's answer (computed in its handler, in its mailbox's order),
+the resident's the dict the engine actor published, and the JSON keeps its shape."""
+
+import aiohttp
+
+from tandem.cache.governor import MemoryGovernor
+from tandem.cache.store import StoreCore
+from tandem.server.app import build_app
+from tandem.server.keys import SUPERVISOR
+
+
+async def test_the_store_counters_are_computed_in_the_store_actors_handler(
+        small_loaded, make_config, serve, sdk, monkeypatch):
+    app = build_app(make_config(), small_loaded)
+    actors = app[SUPERVISOR].actors
+    store = actors["store"]
+    asked: list[str | None] = []
+    statistics = StoreCore.statistics
+
+    def watched(core):
+        asked.append(store.current_message_type)
+        return statistics(core)
+
+    monkeypatch.setattr(StoreCore, "statistics", watched)
+    memory_statistics = MemoryGovernor.statistics
+    reported: list[str | None] = []
+
+    def watched_memory(core, stats=None):
+        reported.append(actors["governor"].current_message_type)
+        return memory_statistics(core, stats)
+
+    monkeypatch.setattr(MemoryGovernor, "statistics", watched_memory)
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        await sdk(server).chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "a b c"}], max_tokens=2,
+            extra_body={"conversation_id": "c1"})
+        base = f"http://127.0.0.1:{server.port}"
+        async with http.get(f"{base}/v1/cache/stats") as resp:
+            assert resp.status == 200
+            tiers = (await resp.json())["tiers"]
+        async with http.get(f"{base}/v1/actors") as resp:
+            doc = await resp.json()
+        async with http.get(f"{base}/v1/memory") as resp:
+            memory = await resp.json()
+    assert asked and set(asked) == {"GetStoreStats"}
+    assert reported and set(reported) == {"GetMemoryReport"}
+    assert {"resident", "store"} <= set(tiers)
+    assert tiers["resident"]["cold"] == 1 and tiers["store"]["session_puts"] == 1
+    assert set(tiers["store"]) == set(statistics(store.core))
+    assert doc["errors"] == {} and doc["cache"]["tiers"]["store"] == tiers["store"]
+    assert doc["memory"]["prefills"] == memory["prefills"] == 1
