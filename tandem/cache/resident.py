@@ -176,6 +176,7 @@ class ResidentPrefix:
         self.memory = memory
         self.chunk = engine.prefix_chunk
         self._tiers, self._park_tiers = make_holdings(memory, self.chunk, **knobs)
+        self._decided: tuple[list[int], Decided] | None = None
 
     @classmethod
     def lent_to(cls, engine: SequenceEngine, memory: MemoryAccountant) -> "ResidentPrefix":
@@ -184,6 +185,7 @@ class ResidentPrefix:
         composer.memory = memory
         composer.chunk = engine.prefix_chunk
         composer._tiers = composer._park_tiers = None
+        composer._decided = None
         return composer
 
     def lend(self, resident: ResidentHoldings, park: ParkHoldings) -> None:
@@ -194,6 +196,7 @@ class ResidentPrefix:
     def give_back(self) -> tuple[ResidentHoldings, ParkHoldings]:
         lent = self._tiers, self._park_tiers
         self._tiers = self._park_tiers = None
+        self._decided = None  # made over the holdings leaving
         return lent
 
     @property
@@ -300,7 +303,12 @@ class ResidentPrefix:
         """Restore what serves ``prompt_ids`` best and put the engine there."""
         eng = self.engine
         prompt = list(prompt_ids)
-        offer, c, continuing = self._plan(prompt, namespace)
+        decided, self._decided = self._decided, None
+        if decided is not None and decided[0] == prompt:
+            plan = decided[1]
+            offer, c, continuing = plan.resume, plan.shared, plan.continuing
+        else:
+            offer, c, continuing = self._plan(prompt, namespace)
         if offer.guest:
             return self._begin_guest(prompt, max_tokens, min(c, len(prompt) - 1), namespace)
         if offer.source == "pin":
@@ -335,41 +343,18 @@ class ResidentPrefix:
 
     def _plan(self, prompt: list[int], namespace: Namespace) -> tuple[Resume, int, bool]:
         """The best resume for ``prompt``, the tokens it shares with the rows in place, and
-        whether it continues them."""
-        eng = self.engine
-        limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
-        # Another namespace's rows share nothing with the prompt (_shared_rows), so no
-        # extension, end anchor or anchor of theirs is offered.
-        c = self._shared_rows(prompt, namespace)
-        continuing = c >= eng.length and eng.length <= limit
-        pe = self.prompt_end
-        if (pe is not None and len(prompt) == pe.length <= c and not self.stash_tier.active
-                and prompt == pe.token_ids):
-            # The same prompt again (a regenerate, a retry): nothing to forward, and no other
-            # offer reaches past ``limit``. Before the guest test: a repeat is no guest.
-            return Resume(pe.length, "prompt_end"), c, continuing
-        if not continuing and self.stash_tier.is_guest(len(prompt), eng.length):
-            start = self.anchor_tier.best(min(c, limit))
-            return Resume(start, "resident" if start else "cold", guest=True), c, continuing
+        whether it continues them: the resident's offer, then the park's, compared."""
+        rows = self.engine.token_ids
+        mine = resident_offer(self.holdings, prompt, namespace, rows)
+        if mine.decisive:
+            return mine.resume, mine.shared, mine.continuing
+        theirs = park_offer(self.park_holdings, prompt, namespace, rows, self.namespace)
+        return choose(mine, theirs), mine.shared, mine.continuing
 
-        # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
-        best = Resume(0, "cold")
-        if continuing and eng.length:
-            best = Resume(eng.length, "end" if self.ends.at(eng.length) else "resident")
-        else:
-            if self.end is not None and self.end.length <= min(c, limit):
-                best = Resume(self.end.length, "end")
-            line = self.anchor_tier.best(min(c, limit))
-            if line > best.start:
-                best = Resume(line, "resident")
-        pin_point = self.pin_tier.offer(prompt, limit, namespace)
-        park_point = self.park_tier.offer(eng.token_ids, self.namespace, prompt, limit,
-                                          namespace)
-        if pin_point > best.start and pin_point >= park_point:
-            return Resume(pin_point, "pin"), c, continuing
-        if park_point > best.start:
-            return Resume(park_point, "park"), c, continuing
-        return best, c, continuing
+    def decided(self, prompt_ids: Sequence[int], plan: "Decided") -> None:
+        """The next ``begin`` of ``prompt_ids`` takes ``plan`` (made on the loop over these very
+        tiers, for this prompt) instead of comparing the offers again."""
+        self._decided = (list(prompt_ids), plan)
 
     def _shared_rows(self, prompt: Sequence[int], namespace: Namespace) -> int:
         """The rows in place a request of ``namespace`` shares with ``prompt``: every comparison
@@ -723,3 +708,107 @@ class ResidentPrefix:
         self.holdings.check_invariants(self.engine.token_ids)
         self.park_holdings.check_invariants()
         self.memory.check_invariants()
+
+
+# -- the tiers' offers, as their actors make them ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResidentOffer:
+    """The resident's offer for a prompt: ``decisive`` when no other tier may beat it (the
+    same prompt again, or a guest)."""
+
+    resume: Resume
+    shared: int  # rows in place the prompt shares (0 for another namespace's)
+    continuing: bool  # the prompt extends the rows in place
+    decisive: bool
+
+
+@dataclass(frozen=True)
+class ParkOffer:
+    pin_point: int
+    park_point: int
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A request's resume, decided over the tiers' offers (the plan's)."""
+
+    resume: Resume
+    shared: int
+    continuing: bool
+
+
+def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Namespace,
+                   rows: Sequence[int]) -> ResidentOffer:
+    """Where the resident's own copies resume ``prompt`` over the rows in place ``rows``."""
+    prompt = list(prompt)
+    length = len(rows)
+    limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
+    # Another namespace's rows share nothing with the prompt, so no extension, end anchor or
+    # anchor of theirs is offered.
+    c = common_prefix(prompt, list(rows)) if namespace == held.namespace else 0
+    continuing = c >= length and length <= limit
+    pe = held.ends.prompt_end
+    if (pe is not None and len(prompt) == pe.length <= c and not held.stash.active
+            and prompt == pe.token_ids):
+        # The same prompt again (a regenerate, a retry): nothing to forward, and no other
+        # offer reaches past ``limit``. Before the guest test: a repeat is no guest.
+        return ResidentOffer(Resume(pe.length, "prompt_end"), c, continuing, True)
+    if not continuing and held.stash.is_guest(len(prompt), length):
+        start = held.anchors.best(min(c, limit))
+        return ResidentOffer(Resume(start, "resident" if start else "cold", guest=True), c,
+                             continuing, True)
+    # Candidates in the rows in place: the live state (extension), the end anchor, anchors.
+    best = Resume(0, "cold")
+    end = held.ends.end
+    if continuing and length:
+        best = Resume(length, "end" if held.ends.at(length) else "resident")
+    else:
+        if end is not None and end.length <= min(c, limit):
+            best = Resume(end.length, "end")
+        line = held.anchors.best(min(c, limit))
+        if line > best.start:
+            best = Resume(line, "resident")
+    return ResidentOffer(best, c, continuing, False)
+
+
+def park_offer(held: ParkHoldings, prompt: Sequence[int], namespace: Namespace,
+               rows: Sequence[int], rows_namespace: Namespace) -> ParkOffer:
+    """Where the pinned head and the parked session resume ``prompt``."""
+    limit = len(prompt) - 1
+    return ParkOffer(held.pin.offer(list(prompt), limit, namespace),
+                     held.park.offer(rows, rows_namespace, prompt, limit, namespace))
+
+
+def choose(mine: ResidentOffer, theirs: ParkOffer) -> Resume:
+    """The resident's offer unless the pin or the park starts strictly later (the pin first
+    when both reach as far)."""
+    if mine.decisive:
+        return mine.resume
+    best = mine.resume
+    if theirs.pin_point > best.start and theirs.pin_point >= theirs.park_point:
+        return Resume(theirs.pin_point, "pin")
+    if theirs.park_point > best.start:
+        return Resume(theirs.park_point, "park")
+    return best
+
+
+def resident_statistics(held: ResidentHoldings) -> dict:
+    """What the resident holds, for its actor's report."""
+    a, e, g = held.anchors, held.ends, held.stash
+    return {"anchors": a.lines(), "anchors_taken": a.taken, "evictions": a.evictions,
+            "end": e.end.length if e.end else None,
+            "prompt_end": e.prompt_end.length if e.prompt_end else None,
+            "stash": g.stashed is not None, "guests": g.guests,
+            "held_bytes": {level: a.memory.held[level]
+                           for level in ("anchors", "end", "prompt_end", "stash")}}
+
+
+def park_statistics(held: ParkHoldings) -> dict:
+    """What the park holds, for its actor's report."""
+    pin, park = held.pin.pinned, held.park.parked
+    return {"pinned": len(pin.token_ids) if pin else None,
+            "parked": ({"head": park.head, "rows": len(park.token_ids)} if park else None),
+            "pins": held.pin.pins, "parks": held.park.parks,
+            "held_bytes": {level: held.pin.memory.held[level] for level in ("pin", "park")}}
