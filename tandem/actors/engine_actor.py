@@ -61,6 +61,9 @@ from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.suffix import SuffixActor, SuffixAppend
+from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, OfferTiers, ParkOffered,
+                                         PrefillPlan, ResidentOffered)
+from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.drafter import LookupDrafter
 from tandem.cache.governor import MemoryGovernor, MemoryRefused
 from tandem.cache.endalign import Alignment
@@ -69,7 +72,8 @@ from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.vocabulary import Source
 from tandem.cache.planner import Planner
-from tandem.cache.resident import ResidentPrefix
+from tandem.cache.resident import (Decided, ParkOffer, ResidentOffer, ResidentPrefix, Resume,
+                                   choose)
 from tandem.cache.store import StateStore
 from tandem.engine import ContextOverflow, Engine, SamplingParams
 from tandem.models.base import ModelError
@@ -81,6 +85,7 @@ log = structlog.get_logger("tandem.engine")
 # minute it is a guess), from the median of this many recent generations' durations.
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
 RECENT_DURATIONS = 32
+TIER_ASK_S = 30.0  # a tier's offer is a few microseconds of its handler; past this it is stuck
 
 
 class EngineBroken(RuntimeError):
@@ -190,6 +195,7 @@ class EngineActor(Actor):
                  tokenizer: Any = None, end_align: bool = True,
                  end_align_reasoning: bool = True, queue_limit: int = 16, retry_after_s: float = 1.0,
                  speculation: str = "off", draft_max: int = 8, suffix: SuffixActor | None = None,
+                 tiers: tuple[ResidentActor, ParkActor] | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -204,8 +210,19 @@ class EngineActor(Actor):
         some have finished (estimate_retry_after);
         ``speculation`` ("off" or "lookup") and ``draft_max``: the lookup drafter's verify
         blocks; ``suffix``: the suffix store actor the drafter reads and every finished
-        generation is reported to (None: drafts come from the request's own tokens)."""
+        generation is reported to (None: drafts come from the request's own tokens);
+        ``tiers``: the resident and park actors that own the tiers (tandem/actors/tiers.py):
+        when a job gets the engine they are asked for their offers and lend their holdings
+        to the composer ``make_resident`` built (``ResidentPrefix.lent_to``) for that
+        generation, after the `PrefillPlan` was built on the loop (None: the composer holds
+        its own tiers on the engine thread)."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
+        self._tiers = tiers
+        # The rows in place and their namespace as the last generation left them: what the
+        # tiers' offers are made over (written by the loop, from the engine thread's hand-off).
+        self._rows: list[int] = []
+        self._plans: dict[str, PrefillPlan] = {}  # the running job's, until GenerationEnded
+        self._preparing: asyncio.Task[None] | None = None  # the offers being asked for
         self._make_engine = make_engine
         self._make_resident = make_resident
         self.resident: ResidentPrefix | None = None
@@ -273,7 +290,8 @@ class EngineActor(Actor):
                     allow_reasoning=self.end_align_reasoning,
                     holds=self.store.holds if self.store is not None else None)
             self.planner = Planner(self.resident, self.store, self.governor)
-            self._publish_cache_stats()
+            if self._tiers is None:
+                self._publish_cache_stats()
         elif self.governor is not None:
             self.governor.attach(MemoryAccountant({}), {}, engine.cost())  # workspace only
         return engine
@@ -315,6 +333,10 @@ class EngineActor(Actor):
             if isinstance(item, _Job):
                 self._fail(item, "stopped", "the engine stopped before the request ran")
         self._lock.clear()
+        if self._preparing is not None and not self._preparing.done():
+            # Its asks fail as the tiers stop; no task of this actor outlives it.
+            self._preparing.cancel()
+            await asyncio.wait([self._preparing])
         if self._running is not None and not self._running.done():
             # The thread stops at its next token; wait so that no torch work outlives the actor.
             await asyncio.wait([self._running])
@@ -473,22 +495,100 @@ class EngineActor(Actor):
         queued_ms = (self.clock.monotonic() - job.accepted_s) * 1000.0
         self._emit(job.reply_to, GenerationStarted(job.request_id, len(job.prompt_ids), queued_ms),
                    job)
-        self._running = self._loop.run_in_executor(self._executor, self._execute, job)
+        if self._tiers is None:
+            self._run_job(job)
+        else:
+            self._preparing = self._loop.create_task(self._prepare(job))
+
+    def _run_job(self, job: _Job, plan: PrefillPlan | None = None) -> None:
+        self._running = self._loop.run_in_executor(self._executor, self._execute, job, plan)
         self._running.add_done_callback(lambda fut: self._done(job, fut))
 
-    def _execute(self, job: _Job) -> "_Outcome":
+    # -- the plan, on the loop -------------------------------------------------------------
+
+    async def _prepare(self, job: _Job) -> None:
+        """Ask each tier for its offer (each lends its holdings with it), then build the job's
+        PrefillPlan and hand it to the engine thread. A tier that cannot answer fails the job
+        (what was lent goes back)."""
+        resident, park = self._tiers
+        lent: dict[str, Any] = {}
+        try:
+            r = await resident.ask(OfferTiers(job.request_id, list(job.prompt_ids), self._rows,
+                                              job.namespace), TIER_ASK_S, sender=self)
+            lent["resident"] = r.holdings
+            p = await park.ask(OfferTiers(job.request_id, list(job.prompt_ids), self._rows,
+                                          job.namespace, rows_namespace=r.rows_namespace),
+                               TIER_ASK_S, sender=self)
+            lent["park"] = p.holdings
+            plan = self._plan(job, r, p)
+        except Exception as exc:
+            log.error("tier_offer_failed", request_id=job.request_id, error=type(exc).__name__)
+            self._give_back(job.request_id, lent, "not_run")
+            fut: asyncio.Future[Any] = self._loop.create_future()
+            fut.set_exception(exc if isinstance(exc, ActorStopped) else
+                              EngineBroken(f"a tier could not offer ({type(exc).__name__})"))
+            self._done(job, fut)
+            return
+        self._plans[job.request_id] = plan
+        if self._trace is not None:
+            self._trace.record(plan, sender=self.name, receiver=f"{self.name}.thread",
+                               wall_time_s=self.clock.wall_time(), handler_ms=0.0,
+                               correlation_id=None)
+        self._run_job(job, plan)
+
+    def _plan(self, job: _Job, r: ResidentOffered, p: ParkOffered) -> PrefillPlan:
+        return build_plan(job.request_id, job.prompt_ids, self.engine.prefix_chunk, r, p,
+                          scored=job.generation_params.prompt_logprobs is not None)
+
+    def _give_back(self, request_id: str, lent: dict[str, Any], outcome: str) -> None:
+        """What the tiers lent goes back to them (`GenerationEnded`, one to each)."""
+        for name, actor in zip(("resident", "park"), self._tiers or ()):
+            if name not in lent:
+                continue
+            msg = GenerationEnded(request_id, outcome, self._rows, lent[name])
+            try:
+                actor.try_tell(msg, sender=self)
+            except MailboxFull:
+                self._loop.create_task(actor.tell(msg, sender=self))
+            except ActorStopped:
+                pass  # a stopped tier takes nothing back; the system is stopping
+
+    def _anchor_written(self, job: _Job, line: int) -> None:
+        """On the engine thread, after its prefill anchored ``line`` in the lent holdings."""
+        resident = self._tiers[0]
+
+        def tell() -> None:
+            try:
+                resident.try_tell(AnchorWritten(job.request_id, line), sender=self)
+            except (MailboxFull, ActorStopped):
+                log.warning("anchor_written_dropped", request_id=job.request_id)
+
+        self._to_loop(tell)
+
+    def _execute(self, job: _Job, plan: PrefillPlan | None = None) -> "_Outcome":
         """On the engine thread: the generation, then the rows it left in place and their
         taint handed to the loop, whether it finished or failed."""
         try:
-            return self._generate(job)
+            if plan is None:
+                return self._generate(job)
+            # The holdings lent for this generation, given back (to the composer's lender)
+            # whatever happens: the loop returns them to their actors in _done.
+            self.resident.lend(plan.resident, plan.park)
+            try:
+                return self._generate(job, plan)
+            finally:
+                self.resident.give_back()
         finally:
             engine = self.engine
-            self._to_loop(self._ended, engine.length, engine.taint)
+            rows = list(engine.token_ids) if self._tiers is not None else None
+            self._to_loop(self._ended, engine.length, engine.taint, rows)
 
-    def _ended(self, rows_in_place: int, taint: int | None) -> None:
+    def _ended(self, rows_in_place: int, taint: int | None, rows: list[int] | None) -> None:
         self.view = msgspec.structs.replace(self.view, rows_in_place=rows_in_place, taint=taint)
+        if rows is not None:
+            self._rows = rows
 
-    def _generate(self, job: _Job) -> "_Outcome":
+    def _generate(self, job: _Job, plan: PrefillPlan | None = None) -> "_Outcome":
         """On the engine thread: the whole generation, tokens posted to the loop as they come."""
         assert self.engine is not None
         engine, resident = self.engine, self.resident
@@ -563,6 +663,19 @@ class EngineActor(Actor):
         served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
+        on_chunk = planner.on_chunk
+        if plan is not None:
+            if served is job.prompt_ids:
+                # The loop's decision, over these very holdings, for this prompt.
+                resident.decided(served, Decided(Resume(plan.start, plan.source,
+                                                        guest=plan.guest),
+                                                 plan.shared, plan.continuing))
+            lines = set(plan.anchor_lines)
+
+            def on_chunk(end: int) -> None:
+                planner.on_chunk(end)
+                if end in lines and end in resident.anchors:
+                    self._anchor_written(job, end)
         try:
             resume = planner.begin(served, params.max_tokens, job.session, job.namespace)
         except MemoryRefused:
@@ -577,7 +690,7 @@ class EngineActor(Actor):
         try:
             result = engine.generate(served, params, on_token=on_token,
                                      should_cancel=job.cancel.is_set,
-                                     on_chunk=planner.on_chunk, force=force,
+                                     on_chunk=on_chunk, force=force,
                                      on_prefill=planner.on_prefill, logits=resume.logits,
                                      **speculate, **scoring)
             if ends is not None:
@@ -628,6 +741,11 @@ class EngineActor(Actor):
         """On the loop, after every token of the job was delivered (the executor sets its
         future through call_soon_threadsafe too, so it comes after them)."""
         self._running = None
+        plan = self._plans.pop(job.request_id, None)
+        if plan is not None:
+            self._give_back(job.request_id, {"resident": plan.resident, "park": plan.park},
+                            "finished" if not fut.cancelled() and fut.exception() is None
+                            else "failed")
         self._lock.release(job)
         self._jobs.pop(job.request_id, None)
         self.view = msgspec.structs.replace(self.view, request=None)
@@ -731,6 +849,24 @@ class EngineActor(Actor):
                         request_id=None if job is None else job.request_id)
             if job is not None:
                 job.cancel.set()
+
+
+def build_plan(request_id: str, prompt: Sequence[int], chunk: int, r: ResidentOffered,
+               p: ParkOffered, *, scored: bool = False) -> PrefillPlan:
+    """The plan for the client's prompt over the tiers' offers (pure: the loop's part of a
+    request's way). An aligned copy is served as other rows (the end alignment, on the engine
+    thread): the thread then decides over the same lent holdings again, with the same pure
+    offers, for the rows served. ``scored``: the prompt's logprobs are wanted, so the prefill
+    runs from token 0 and passes every grid line."""
+    mine = ResidentOffer(Resume(r.start, r.source, guest=r.guest), r.shared, r.continuing,
+                         r.decisive)
+    resume = choose(mine, ParkOffer(p.pin_point, p.park_point))
+    first = 0 if scored else resume.start
+    lines = [] if resume.guest else list(range((first // chunk + 1) * chunk, len(prompt) + 1,
+                                               chunk))
+    return PrefillPlan(request_id, len(prompt), resume.start, resume.source, resume.guest,
+                       r.shared, r.continuing, r.start, p.pin_point, p.park_point, lines,
+                       resident=r.holdings, park=p.holdings)
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

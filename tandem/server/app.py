@@ -21,9 +21,10 @@ from tandem.actors.engine_messages import Drain, EngineDrained
 from tandem.actors.governor import GetMemoryReport, GovernorActor
 from tandem.actors.store import GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
+from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import MemoryAccountant
-from tandem.cache.resident import ResidentPrefix
+from tandem.cache.resident import ResidentPrefix, make_holdings
 from tandem.cache.response import ResponseCache
 from tandem.cache.store import StateStore, StoreCore
 from tandem.cache.suffix import PersistentSuffixStore
@@ -65,7 +66,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
     governor = None
-    suffix = store = None
+    suffix = store = tiers = None
     spec = config.speculation
     if engine is None:
         e = config.engine
@@ -80,10 +81,17 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
         if caches and config.cache.store:
             store = StoreActor("store", core=StoreCore(
                 memory, entry_nbytes=int(config.cache.store_entry_gb * GiB)))
+        if caches:
+            c = config.cache
+            held, parked = make_holdings(memory, e.prefix_chunk, guest_max=c.resident_guest_max,
+                                         end_anchor=c.end_anchor,
+                                         prompt_end_anchor=c.prompt_end_anchor)
+            tiers = (ResidentActor("resident", holdings=held), ParkActor("park", holdings=parked))
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
             num_threads=e.num_threads),
-            make_resident=partial(make_resident, config, memory) if caches else None,
+            make_resident=partial(ResidentPrefix.lent_to, memory=memory) if caches else None,
+            tiers=tiers,
             make_store=partial(make_store, config, store) if store is not None else None,
             governor=governor,
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
@@ -95,6 +103,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
         supervisor.add(suffix)  # before the engine: its drafter reads the suffix store
     if store is not None:
         supervisor.add(store)  # before the engine, which asks it from its first request
+    for tier in tiers or ():
+        supervisor.add(tier)  # before the engine, which asks them from its first request
     supervisor.add(engine)
     governor_actor = None
     if governor is not None:
@@ -160,13 +170,6 @@ def make_memory(config: Config, model) -> MemoryAccountant:
         "park": int(c.resident_park_gb * GiB),
         "store": int(c.cache_gb * GiB) if c.store else 0,
     })
-
-
-def make_resident(config: Config, memory: MemoryAccountant, engine: Engine) -> ResidentPrefix:
-    """The resident prefix over ``engine``, its copies held to the config's budgets."""
-    c = config.cache
-    return ResidentPrefix(engine, memory, guest_max=c.resident_guest_max,
-                          end_anchor=c.end_anchor, prompt_end_anchor=c.prompt_end_anchor)
 
 
 def make_store(config: Config, store: StoreActor, engine: Engine) -> StateStore:

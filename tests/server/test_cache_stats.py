@@ -50,3 +50,23 @@ async def test_the_store_counters_are_computed_in_the_store_actors_handler(
     assert set(tiers["store"]) == set(statistics(store.core))
     assert doc["errors"] == {} and doc["cache"]["tiers"]["store"] == tiers["store"]
     assert doc["memory"]["prefills"] == memory["prefills"] == 1
+
+
+async def test_the_actors_document_lists_the_resident_and_the_park_with_their_mailboxes(
+        small_loaded, make_config, serve, sdk):
+    """The tiers are actors (issue 12, part 1): /v1/actors lists them, with their mailboxes,
+    and the graph shows the engine's offers and give-backs reaching them."""
+    app = build_app(make_config(), small_loaded)
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        await sdk(server).chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "a b c"}], max_tokens=2)
+        async with http.get(f"http://127.0.0.1:{server.port}/v1/actors") as resp:
+            doc = await resp.json()
+    actors = {a["name"]: a for a in doc["actors"]}
+    for name in ("resident", "park"):
+        assert actors[name]["state"] == "running"
+        assert actors[name]["mailbox_capacity"] > 0
+        assert actors[name]["handled_by_type"]["OfferTiers"] == 1
+        assert actors[name]["handled_by_type"]["GenerationEnded"] == 1
+    edges = {(e["sender"], e["receiver"]) for e in doc["graph"]["edges"]}
+    assert {("engine", "resident"), ("engine", "park")} <= edges

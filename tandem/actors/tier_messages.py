@@ -1,0 +1,123 @@
+"""The messages of the prefill plan: the tiers' offers, the plan the engine thread executes, the
+fences of open write jobs, and what the engine thread tells the tiers (spec: "A request's way").
+
+    engine actor --OfferTiers--> resident, park      (asks; each lends its holdings)
+    engine actor: PrefillPlan (built on the loop, handed to the engine thread)
+    engine thread --AnchorWritten--> resident         (tells, as the prefill passes grid lines)
+    engine actor --GenerationEnded--> resident, park  (tells; the holdings come back)
+
+Ownership: a tier's holdings (its copies and their bookkeeping, tandem/cache/resident.py) are
+lent to the engine from the offer until `GenerationEnded`; meanwhile the tier neither reads nor
+evicts them, and answers statistics from what it last saw.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tandem.actors.messages import Message
+from tandem.cache.namespace import SHARED
+from tandem.cache.vocabulary import Source
+
+
+class OfferTiers(Message):
+    """Sender: the engine actor, when a job gets the engine. Receiver: the resident and the
+    park. Replies `ResidentOffered` / `ParkOffered`. ``rows``: the tokens of the rows in place
+    as the last generation left them; ``rows_namespace``: theirs (the park's offer needs it)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    rows: list[int]
+    namespace: str = SHARED
+    rows_namespace: str = SHARED
+
+
+class ResidentOffered(Message):
+    """Reply to `OfferTiers` from the resident: where its copies resume the prompt, and its
+    holdings, lent until `GenerationEnded` (``decisive``: no other tier may beat the offer)."""
+
+    request_id: str
+    start: int
+    source: Source
+    guest: bool
+    shared: int
+    continuing: bool
+    decisive: bool
+    rows_namespace: str
+    holdings: Any = None  # tandem.cache.resident.ResidentHoldings, lent
+
+
+class ParkOffered(Message):
+    """Reply to `OfferTiers` from the park: the pinned head's and the parked session's offers
+    (0: none), and its holdings, lent until `GenerationEnded`."""
+
+    request_id: str
+    pin_point: int
+    park_point: int
+    holdings: Any = None  # tandem.cache.resident.ParkHoldings, lent
+
+
+class Fence(msgspec.Struct, frozen=True):
+    """An open write job over a copy the plan touches (a disk or spill write in flight): the
+    engine thread waits for ``done`` before it writes into ``buffer``. ``job_id`` names it in
+    the trace."""
+
+    job_id: str
+    buffer: str  # the copy's name: "anchor:<line>", "end", "park", ...
+    done: Any = None  # a threading.Event the writer sets
+
+
+class PrefillPlan(Message):
+    """Sender: the engine actor, on the loop. Receiver: the engine thread (recorded in the
+    trace as ``<engine>.thread``), which executes it and asks nobody.
+
+    Where the prefill resumes and from which tier, the tiers' offers it was decided over, the
+    grid lines the resident anchors as the prefill passes them (the buffers are the lent
+    holdings'), and the fences of open write jobs (none until a writer exists)."""
+
+    request_id: str
+    prompt_tokens: int  # of the served prompt
+    start: int
+    source: Source
+    guest: bool
+    shared: int
+    continuing: bool
+    resident_offer: int  # the resident's start
+    pin_offer: int
+    park_offer: int
+    anchor_lines: list[int]
+    aligned: str | None = None  # how the client's copy met an end (tandem.cache.endalign)
+    fences: list[Fence] = []
+    resident: Any = None  # the lent ResidentHoldings
+    park: Any = None  # the lent ParkHoldings
+
+
+class AnchorWritten(Message):
+    """Sender: the engine thread, as its prefill writes the anchor at ``line`` into the lent
+    holdings. Receiver: the resident (a tell: the thread never waits on it)."""
+
+    request_id: str
+    line: int
+
+
+class GenerationEnded(Message):
+    """Sender: the engine actor, once its thread is done with the job. Receiver: the resident
+    and the park: what was lent comes back (``holdings``), with the rows in place now (the
+    resident checks its invariants over them). ``outcome``: finished, failed, or not_run (the
+    plan was refused before the thread ran)."""
+
+    request_id: str
+    outcome: str
+    rows: list[int]
+    holdings: Any = None
+
+
+class GetTierStats(Message):
+    """Sender: the server (/v1/cache/stats, the console). Replies `TierStats`."""
+
+
+class TierStats(Message):
+    stats: dict[str, Any]
+    lent_to: str | None = None  # the request holding the tier's copies now

@@ -1,0 +1,184 @@
+"""The resident prefix and the park as actors (issue 12, parts 1 and 2): when a job gets the
+engine, each tier answers the engine actor's OfferTiers and lends its holdings; the plan is
+built on the loop and handed to the engine thread; the thread tells AnchorWritten as its
+prefill anchors grid lines; GenerationEnded gives the holdings back. Driven through the real
+EngineActor, Engine and tiers, with requests injected by the harness.
+
+Gates: the plan's resume is the one the synchronous composer makes over the same tiers (the
+greedy tokens and the bits of the rows are a plain engine's: tests/cache hold the composer's
+exactness; here the protocol)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.actors.engine_actor import EngineActor
+from tandem.actors.engine_messages import (Generate, GenerationFailed, GenerationFinished,
+                                           GenerationParams, TokenGenerated)
+from tandem.actors.harness import Harness
+from tandem.actors.tier_messages import GetTierStats, OfferTiers
+from tandem.actors.tiers import ParkActor, ResidentActor, TierLendingError
+from tandem.cache.memory import MemoryAccountant
+from tandem.cache.resident import ResidentPrefix, make_holdings
+from tandem.engine import Engine, SamplingParams
+from tandem.models.third import ThirdModel
+
+WINDOW, CHUNK = 512, 16
+MiB = 1 << 20
+LEVELS = ("anchors", "end", "stash", "park", "pin", "prompt_end")
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(i * 7 + seed * 13 + 3) % 97 for i in range(n)]
+
+
+def _system(harness: Harness, model=None):
+    memory = MemoryAccountant({level: 64 * MiB for level in LEVELS})
+    held, parked = make_holdings(memory, CHUNK)
+    resident = harness.add(ResidentActor("resident", holdings=held))
+    park = harness.add(ParkActor("park", holdings=parked))
+    engines: list[Engine] = []
+
+    def make_engine():
+        engines.append(Engine(model or ThirdModel(), window=WINDOW, prefix_chunk=CHUNK))
+        return engines[0]
+
+    engine = harness.add(EngineActor(
+        "engine", make_engine=make_engine,
+        make_resident=lambda e: ResidentPrefix.lent_to(e, memory), tiers=(resident, park)))
+    return resident, park, engine, engines
+
+
+async def _run(harness, client, request_id, prompt, max_tokens=4, session=None):
+    await harness.ask("engine", Generate(request_id, list(prompt),
+                                         GenerationParams(max_tokens=max_tokens),
+                                         reply_to=client, session=session))
+    tokens = []
+    while True:
+        got = await client.expect((TokenGenerated, GenerationFinished, GenerationFailed), 20)
+        if isinstance(got, TokenGenerated):
+            tokens.append(got.token_id)
+        else:
+            return tokens, got
+
+
+async def test_a_generate_goes_through_offers_a_plan_anchor_tells_and_generation_ended():
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    resident, park, _, _ = _system(harness)
+    prompt = _prompt(40, 1)
+    async with harness:
+        _, done = await _run(harness, client, "a", prompt)
+        assert isinstance(done, GenerationFinished)
+        follow = prompt + [5, 6, 7] + _prompt(30, 2)
+        _, done = await _run(harness, client, "b", follow)
+        await asyncio.sleep(0)  # the give-back tells are queued before the finish event
+        stats = await harness.ask("resident", GetTierStats())
+    entries = [(e.type, e.sender, e.receiver) for e in harness.trace.entries()]
+    for request in ("a", "b"):
+        seq = [t for t in entries if t[0] in ("OfferTiers", "PrefillPlan", "AnchorWritten",
+                                               "GenerationEnded")]
+        assert ("OfferTiers", "engine", "resident") in seq
+        assert ("OfferTiers", "engine", "park") in seq
+    kinds = [t[0] for t in entries if t[0] in ("OfferTiers", "PrefillPlan", "AnchorWritten",
+                                               "GenerationEnded")]
+    # a: two offers, the plan, anchors at 16 and 32, both tiers given back; b likewise, its
+    # anchors at 48 and 64 (its prefill resumed past 32).
+    assert kinds == (["OfferTiers", "OfferTiers", "PrefillPlan", "AnchorWritten",
+                      "AnchorWritten", "GenerationEnded", "GenerationEnded"] * 2)
+    plans = [e for e in harness.trace.entries() if e.type == "PrefillPlan"]
+    assert [e.receiver for e in plans] == ["engine.thread"] * 2
+    assert stats.lent_to is None and stats.stats["lent_total"] == 2
+    assert stats.stats["anchors_written"] == 4
+    assert stats.stats["anchors"] == [16, 32, 48, 64]
+
+
+async def test_the_tiers_are_lent_while_a_generation_runs_and_come_back_after_it():
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    resident, park, engine, _ = _system(harness)
+    async with harness:
+        await harness.ask("engine", Generate("long", _prompt(60, 3),
+                                             GenerationParams(max_tokens=200),
+                                             reply_to=client))
+        await client.expect(TokenGenerated, 20)
+        during = await harness.ask("resident", GetTierStats())
+        during_park = await harness.ask("park", GetTierStats())
+        while not isinstance(await client.expect((TokenGenerated, GenerationFinished), 20),
+                             GenerationFinished):
+            pass
+        await asyncio.sleep(0)
+        after = await harness.ask("resident", GetTierStats())
+    assert during.lent_to == "long" and during_park.lent_to == "long"
+    assert after.lent_to is None
+
+
+async def test_a_tier_lent_already_refuses_a_second_offer():
+    memory = MemoryAccountant({level: MiB for level in LEVELS})
+    held, _ = make_holdings(memory, CHUNK)
+    harness = Harness()
+    harness.add(ResidentActor("resident", holdings=held))
+    with pytest.raises(AssertionError, match="an actor failed"):
+        async with harness:
+            await harness.ask("resident", OfferTiers("a", [1, 2, 3], []))
+            with pytest.raises(Exception):
+                await harness.ask("resident", OfferTiers("b", [1, 2, 3], []), timeout_s=1)
+            await harness.until_stopped()
+    assert isinstance(harness.supervisor.exception, TierLendingError)
+
+
+async def test_two_sessions_and_guests_alternating_hard_keep_every_tier_sound():
+    """The engine thread and the loop run hard together: two sessions that park each other, a
+    guest between them, while the loop asks the tiers and the engine for their state as fast
+    as it can. Each tier checks its holdings' invariants every time they come back (a failed
+    check stops the tier, and the harness fails); the greedy tokens are the ones the
+    synchronous composer gives for the same sequence."""
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    _system(harness)
+    head = _prompt(33, 9)
+    a, b = head + _prompt(70, 4), head + _prompt(60, 5)
+    guest = _prompt(10, 6)
+    turns = []
+    for i in range(6):
+        turns += [("a", a), ("b", b)]
+        if i % 2:
+            turns.append((None, guest))
+        a = a + _prompt(5, 10 + i)
+        b = b + _prompt(4, 20 + i)
+    stop = asyncio.Event()
+    asked = 0
+
+    async def hammer():
+        nonlocal asked
+        while not stop.is_set():
+            for name in ("resident", "park"):
+                await harness.ask(name, GetTierStats())
+            harness["engine"].snapshot()
+            asked += 1
+            await asyncio.sleep(0)
+
+    outs = []
+    async with harness:
+        task = asyncio.create_task(hammer())
+        for n, (session, prompt) in enumerate(turns):
+            tokens, done = await _run(harness, client, f"r{n}", prompt, 3, session)
+            assert isinstance(done, GenerationFinished), done
+            outs.append(tokens)
+        stop.set()
+        await task
+    assert asked > len(turns)
+    # The same sequence on the synchronous composer (its own tiers, one thread).
+    memory = MemoryAccountant({level: 64 * MiB for level in LEVELS})
+    engine = Engine(ThirdModel(), window=WINDOW, prefix_chunk=CHUNK)
+    composer = ResidentPrefix(engine, memory)
+    expected = []
+    for session, prompt in turns:
+        composer.begin(prompt, 3, session)
+        result = engine.generate(prompt, SamplingParams(max_tokens=3),
+                                 on_chunk=composer.on_chunk, on_prefill=composer.on_prefill)
+        composer.finish(prompt + result.token_ids)
+        expected.append(result.token_ids)
+    assert outs == expected
