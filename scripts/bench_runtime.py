@@ -7,7 +7,11 @@
    `queue.get()`; against a plain function call per token on the thread, and against the same
    queue fed from the loop itself. Also the one-way latency of a single hand-off (ping-pong, so
    the queue is never backed up), which is what a streamed token waits.
-3. Requests per second of a tiny completion over loopback HTTP: a server process (this script with
+3. The prefill plan (issue 12): asking the resident and the park for their offers (each lends
+   its holdings), building the PrefillPlan on the loop and giving the holdings back, per
+   request, p50 and p99, with 17 grid anchors, a pinned head and a parked session held; against
+   the same offers computed by plain function calls over the same holdings.
+4. Requests per second of a tiny completion over loopback HTTP: a server process (this script with
    --serve) answers POST /v1/completions by asking a trivial actor, and POST /v1/baseline with the
    same body without any actor; a client here keeps N requests in flight. When
    tandem.server.app.build_app is importable, also the whole server on the embedded tiny model.
@@ -399,6 +403,76 @@ async def bench_real_app(duration_s: float, use_uvloop: bool) -> str:
 # -- report -----------------------------------------------------------------------------------
 
 
+def _tiers_holding_17_anchors_a_pin_and_a_park():
+    """The tiers after real turns on the third test model (16-row grid): a conversation of 280
+    tokens (17 anchors), a compaction of it (its head pinned), another session (the compacted
+    one parked); the rows in place then hold 17 anchors again."""
+    from tandem.cache.memory import MemoryAccountant
+    from tandem.cache.resident import ResidentPrefix
+    from tandem.engine import Engine, SamplingParams
+    from tandem.models.third import ThirdModel
+
+    engine = Engine(ThirdModel(), window=2048, prefix_chunk=16)
+    composer = ResidentPrefix(engine, MemoryAccountant(
+        {level: 256 << 20 for level in ("anchors", "end", "stash", "park", "pin",
+                                        "prompt_end")}), keep_newest=32)
+
+    def turn(prompt, session):
+        composer.begin(prompt, 2, session)
+        out = engine.generate(prompt, SamplingParams(max_tokens=2), on_chunk=composer.on_chunk,
+                              on_prefill=composer.on_prefill).token_ids
+        composer.finish(prompt + out)
+
+    def prompt(n, seed):
+        return [(i * 7 + seed * 31 + 5) % 97 for i in range(n)]
+
+    turn(prompt(280, 1), "a")
+    turn(prompt(280, 2), "a")  # shares no chunk: a compaction, the old head pinned
+    turn(prompt(280, 3), "b")  # another session: a's rows parked
+    held, parked = composer.give_back()
+    assert len(held.anchors.copies) == 17 and parked.pin.pinned and parked.park.parked
+    return held, parked, list(engine.token_ids)
+
+
+async def bench_plan(n: int) -> dict[str, float]:
+    from tandem.actors.engine_actor import build_plan
+    from tandem.actors.tier_messages import GenerationEnded, OfferTiers
+    from tandem.actors.tiers import ParkActor, ResidentActor
+    from tandem.cache.namespace import SHARED
+    from tandem.cache.resident import park_offer, resident_offer
+
+    held, parked, rows = _tiers_holding_17_anchors_a_pin_and_a_park()
+    prompt = rows + [(i * 3) % 97 for i in range(40)]  # the conversation's next turn
+    supervisor = Supervisor()
+    resident = supervisor.add(ResidentActor("resident", holdings=held))
+    park = supervisor.add(ParkActor("park", holdings=parked))
+    await supervisor.start()
+    times = []
+    try:
+        for i in range(n):
+            t0 = time.perf_counter()
+            r = await resident.ask(OfferTiers(f"r{i}", prompt, rows), 5.0)
+            p = await park.ask(OfferTiers(f"r{i}", prompt, rows,
+                                          rows_namespace=r.rows_namespace), 5.0)
+            plan = build_plan(f"r{i}", prompt, 16, r, p)
+            times.append(time.perf_counter() - t0)
+            resident.try_tell(GenerationEnded(f"r{i}", "finished", rows, plan.resident))
+            park.try_tell(GenerationEnded(f"r{i}", "finished", rows, plan.park))
+    finally:
+        await supervisor.stop()
+    plain = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        resident_offer(held, prompt, SHARED, rows)
+        park_offer(parked, prompt, SHARED, rows, SHARED)
+        plain.append(time.perf_counter() - t0)
+    times.sort()
+    plain.sort()
+    return {"p50": times[len(times) // 2], "p99": times[int(len(times) * 0.99)],
+            "plain_p50": plain[len(plain) // 2], "source": plan.source, "start": plan.start,
+            "rows": len(rows)}
+
+
 def us(seconds: float) -> str:
     return f"{seconds * 1e6:9.2f} us"
 
@@ -430,6 +504,15 @@ async def run(args: argparse.Namespace) -> None:
           f"thread / call = {handoff['threaded'] / handoff['call']:8.1f}x")
     print(f"  {'one-way latency, one at a time':34s}p50 {handoff['latency_p50'] * 1e6:.1f} us, "
           f"p99 {handoff['latency_p99'] * 1e6:.1f} us")
+
+    plan = await bench_plan(500 if args.quick else 2_000)
+    print(f"\nthe prefill plan: offers from the resident and the park, the plan, the give-back "
+          f"(17 anchors, a pin, a park; {plan['rows']} rows in place; resumes at "
+          f"{plan['start']} from {plan['source']})")
+    print(f"  {'p50 / p99 a request':34s}{us(plan['p50'])} / {plan['p99'] * 1e6:.2f} us   "
+          f"(goal: p50 under 1,000 us)")
+    print(f"  {'the same offers, plain calls, p50':34s}{us(plan['plain_p50'])}   "
+          f"actors / plain = {plan['p50'] / plan['plain_p50']:8.1f}x")
 
     rows = await bench_http(args.concurrency, duration_s, 1 if args.quick else 2,
                             loop_name == "uvloop")
