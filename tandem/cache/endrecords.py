@@ -52,6 +52,20 @@ class EndRecords:
         conversation's end), of the request's ``namespace``: the prompt to serve so that the
         engine resumes there (hidden spans put back, re-tokenised text and stripped reasoning
         aligned), or None to serve the copy as it came."""
+        alignment, recent = self.align_in_place(prompt, namespace)
+        if alignment is not None or self.holds is None:
+            return alignment
+        for candidate, rows in recent:
+            if self.holds(rows, namespace):
+                return self.aligned_to_store(candidate)
+        return None
+
+    def align_in_place(self, prompt: list[int], namespace: Namespace = SHARED
+                       ) -> tuple[Alignment | None, list[tuple[Alignment, list[int]]]]:
+        """``align``'s first half, which asks nobody: the alignment with an end in place or
+        parked (counted), else the recent turns' alignments, newest first, each with the rows
+        the store must hold as a session snapshot for it to be served
+        (``aligned_to_store`` once the store said it does)."""
         resident = self.resident
         candidates = []
         if resident.end is not None and self.record is not None \
@@ -66,19 +80,23 @@ class EndRecords:
         for record in candidates:
             alignment = self._align(record, prompt)
             if alignment is not None:
-                return self._count(alignment)
+                return self._count(alignment), []
         if self.holds is None:
-            return None
+            return None, []
         # Then the recent turns whose ends have gone (a third conversation took the park):
         # their session snapshots may still be in the store.
+        recent = []
         for record_namespace, record in reversed(self.recent):
             if record_namespace != namespace or any(record is tried for tried in candidates):
                 continue
             alignment = self._align(record, prompt)
-            if alignment is not None and self.holds(record.rows, namespace):
-                self.stored += 1
-                return self._count(alignment)
-        return None  # nothing aligns, or nothing new to forward: serve the copy as it came
+            if alignment is not None:
+                recent.append((alignment, record.rows))
+        return None, recent
+
+    def aligned_to_store(self, alignment: Alignment) -> Alignment:
+        self.stored += 1
+        return self._count(alignment)
 
     def _align(self, record: EndRecord, prompt: list[int]) -> Alignment | None:
         alignment = align(record, prompt, self.token_bytes, allow_reasoning=self.allow_reasoning)
