@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from tandem.actors.messages import Message
+from tandem.actors.mailbox import MailboxFull
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.store import StoreCore, StoreEntry
@@ -174,14 +175,40 @@ class StoreActor(Actor):
 
 
 class StoreActorPort:
-    """``StorePort`` over the store actor, for the engine thread: every call is an ask, so
-    the calls of one thread reach the actor in the order they were made."""
+    """``StorePort`` over the store actor, for the engine thread. What hands something to the
+    store (a lease back, an inserted snapshot, a cancelled room, a decline, an invariant check)
+    is a tell: the thread never waits on the loop for it, and a prefill asks nothing (its
+    lines were admitted on the loop, in the plan). What needs an answer (the session put's
+    admission after the decode, the governor's shed) is an ask. Both go to the loop in the
+    order the thread made them (``call_soon_threadsafe``), so the actor sees that order."""
 
     def __init__(self, actor: StoreActor, loop: asyncio.AbstractEventLoop,
                  timeout_s: float) -> None:
         self.actor = actor
         self.loop = loop
         self.timeout_s = timeout_s
+
+    def _tell(self, msg: Message) -> None:
+        def deliver() -> None:
+            try:
+                self.actor.try_tell(msg, sender="engine")
+            except MailboxFull:
+                self.loop.create_task(self._tell_later(msg))
+            except ActorStopped:
+                log.warning("store_unreachable", message_type=type(msg).__name__,
+                            error="ActorStopped")
+
+        try:
+            self.loop.call_soon_threadsafe(deliver)
+        except RuntimeError:
+            log.warning("store_unreachable", message_type=type(msg).__name__,
+                        error="RuntimeError")
+
+    async def _tell_later(self, msg: Message) -> None:
+        try:
+            await self.actor.tell(msg, sender="engine")
+        except ActorStopped:
+            pass  # a shutdown: the store takes nothing more
 
     def _ask(self, msg: Message) -> Any:
         try:
@@ -201,7 +228,7 @@ class StoreActorPort:
         return (reply.start, reply.entry) if reply is not None else (0, None)
 
     def release(self, entry: StoreEntry, hit: bool) -> None:
-        self._ask(StoreRelease(entry, hit))
+        self._tell(StoreRelease(entry, hit))
 
     def holds(self, key_ids: list[int], namespace: Namespace = SHARED) -> bool:
         reply = self._ask(StoreHolds(list(key_ids), namespace))
@@ -213,13 +240,13 @@ class StoreActorPort:
         return reply.verdict if reply is not None else "refused"
 
     def insert(self, entry: StoreEntry) -> None:
-        self._ask(StoreInsert(entry))
+        self._tell(StoreInsert(entry))
 
     def cancel(self, nbytes: int) -> None:
-        self._ask(StoreCancel(nbytes))
+        self._tell(StoreCancel(nbytes))
 
     def decline(self, reason: str, who: str, conversation: str | None, detail: str) -> None:
-        self._ask(StoreDecline(reason, who, conversation, detail))
+        self._tell(StoreDecline(reason, who, conversation, detail))
 
     def shed(self, need_nbytes: int) -> int:
         reply = self._ask(StoreShed(need_nbytes))
@@ -230,4 +257,4 @@ class StoreActorPort:
         return reply.stats if reply is not None else {}
 
     def check_invariants(self) -> None:
-        self._ask(CheckStoreInvariants())
+        self._tell(CheckStoreInvariants())

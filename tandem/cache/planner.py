@@ -26,7 +26,7 @@ Pure logic, no asyncio: the engine actor calls it on the engine thread, where ev
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Any, Sequence
 
 from tandem.cache.governor import MemoryGovernor
 from tandem.cache.namespace import SHARED, Namespace
@@ -50,16 +50,38 @@ class Planner:
             governor.attach(resident.memory, shedders, self.engine.cost())
 
     def begin(self, served: Sequence[int], max_tokens: int, session: str | None,
-              namespace: Namespace = SHARED) -> Resume:
+              namespace: Namespace = SHARED, plan: Any = None) -> Resume:
+        """``plan``: the PrefillPlan the loop made (tandem/actors/tier_messages.py), whose
+        store entry (lent) and admitted prefix lines are taken as they are: nothing is asked
+        of the store here. Without one, the store is asked (the synchronous form)."""
         if self.governor is not None:
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
-        resume = self._restore(served, max_tokens, session, namespace)
+        if plan is not None:
+            resume = self._restore_planned(served, max_tokens, session, namespace, plan)
+        else:
+            resume = self._restore(served, max_tokens, session, namespace)
         if self.governor is not None and resume.start >= len(served):
             self.governor.after_prefill()  # nothing to forward: no chunk ends this prefill
         if self.store is not None:
-            self.store.plan_prefix(served, resume.start, namespace)
+            if plan is not None:
+                self.store.admitted(plan.store_lines, namespace)
+            else:
+                self.store.plan_prefix(served, resume.start, namespace)
         return resume
+
+    def _restore_planned(self, served: Sequence[int], max_tokens: int, session: str | None,
+                         namespace: Namespace, plan: Any) -> Resume:
+        entry = plan.store_entry
+        if entry is None:
+            return self.resident.begin(served, max_tokens, session, namespace)
+        try:
+            self.resident.adopt(plan.start, entry.key_ids, entry.taint, session, namespace)
+        except BaseException:
+            self.store.release(entry)  # the lease goes back whatever happens
+            raise
+        self.store.restore(entry, served, namespace)  # releases the lease itself
+        return Resume(plan.start, "store")
 
     def _restore(self, served: Sequence[int], max_tokens: int, session: str | None,
                  namespace: Namespace) -> Resume:

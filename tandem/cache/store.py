@@ -324,11 +324,18 @@ class StateStore:
         self.session_trim = session_trim
         self.hash_fn = hash_fn
         self._planned: set[int] = set()  # grid lines of the running prefill to snapshot
+        # The lines the loop admitted before the prefill (the plan's), with the store's
+        # verdict: a "reserved" one is cloned and inserted (told) or cancelled (told).
+        self._admitted: dict[int, str] = {}
         self._namespace: Namespace = SHARED  # of the running prefill
+        # The state's sizes, read once here (on the engine thread): a snapshot's bytes are
+        # then known anywhere without touching the engine.
+        state = engine.cache_state()
+        self._section_nbytes = SectionsCopy.nbytes_of(state)
+        self._row_nbytes = RowsCopy.nbytes_of(state, 1)
 
     def snapshot_nbytes(self, num_tokens: int) -> int:
-        state = self.engine.cache_state()
-        return SectionsCopy.nbytes_of(state) + RowsCopy.nbytes_of(state, num_tokens)
+        return self._section_nbytes + self._row_nbytes * num_tokens
 
     # -- lookup and restore ----------------------------------------------------------------
 
@@ -380,9 +387,27 @@ class StateStore:
         self._planned = set(lines)
         return sorted(self._planned)
 
+    def admitted(self, lines: dict[int, str], namespace: Namespace = SHARED) -> None:
+        """The prefill's prefix lines as the plan brings them, each admitted by the store
+        before the prefill (its verdict): at those lines nothing is asked during the prefill."""
+        self._namespace = namespace
+        self._planned = set()
+        self._admitted = dict(lines)
+
     def on_chunk(self, end: int) -> None:
         """After a prefill chunk: a prefix snapshot at a planned line, only when no row below it
         was written by decoding (taint), so that its resume is a cold prefill's bit for bit."""
+        if end in self._admitted:
+            verdict = self._admitted.pop(end)
+            if verdict != "reserved":
+                return
+            eng = self.engine
+            if eng.taint is not None and eng.taint < end:
+                self.port.cancel(self.snapshot_nbytes(end))
+                return
+            self._clone(list(eng.token_ids[:end]), "prefix", None, self._namespace,
+                        self.snapshot_nbytes(end))
+            return
         if end not in self._planned:
             return
         self._planned.discard(end)
@@ -392,6 +417,12 @@ class StateStore:
         self._put(list(eng.token_ids[:end]), "prefix", None, self._namespace)
 
     def end_prefill(self) -> None:
+        """The prefill is over (or failed): admitted lines it never reached give their room
+        back."""
+        for line, verdict in self._admitted.items():
+            if verdict == "reserved":
+                self.port.cancel(self.snapshot_nbytes(line))
+        self._admitted = {}
         self._planned = set()
 
     # -- the session cache -----------------------------------------------------------------
@@ -439,6 +470,14 @@ class StateStore:
         verdict = self.port.admit(key_ids, kind, nbytes, namespace)
         if verdict != "reserved":
             return verdict == "held"
+        self._clone(key_ids, kind, taint, namespace, nbytes)
+        return True
+
+    def _clone(self, key_ids: list[int], kind: str, taint: int | None, namespace: Namespace,
+               nbytes: int) -> None:
+        """The snapshot of the rows in place as ``key_ids``, into the room the store reserved;
+        it moves to the store (inserted)."""
+        n = len(key_ids)
         try:
             eng = self.engine
             eng.settle()
@@ -452,7 +491,6 @@ class StateStore:
             self.port.cancel(nbytes)
             raise
         self.port.insert(entry)
-        return True
 
     # -- memory and reporting --------------------------------------------------------------
 
