@@ -439,7 +439,8 @@ async def bench_plan(n: int) -> dict[str, float]:
     from tandem.actors.tier_messages import GenerationEnded, OfferTiers
     from tandem.actors.tiers import ParkActor, ResidentActor
     from tandem.cache.namespace import SHARED
-    from tandem.cache.resident import park_offer, resident_offer
+    from tandem.cache.resident import (ParkOffer, ResidentOffer, Resume, choose, park_offer,
+                                       resident_offer)
 
     held, parked, rows = _tiers_holding_17_anchors_a_pin_and_a_park()
     prompt = rows + [(i * 3) % 97 for i in range(40)]  # the conversation's next turn
@@ -454,7 +455,11 @@ async def bench_plan(n: int) -> dict[str, float]:
             r = await resident.ask(OfferTiers(f"r{i}", prompt, rows), 5.0)
             p = await park.ask(OfferTiers(f"r{i}", prompt, rows,
                                           rows_namespace=r.rows_namespace), 5.0)
-            plan = build_plan(f"r{i}", prompt, 16, r, p)
+            mine = ResidentOffer(Resume(r.start, r.source, guest=r.guest), r.shared,
+                                 r.continuing, r.decisive)
+            theirs = ParkOffer(p.pin_point, p.park_point)
+            plan = build_plan(f"r{i}", prompt, 16, mine, theirs, choose(mine, theirs),
+                              r.holdings, p.holdings)
             times.append(time.perf_counter() - t0)
             resident.try_tell(GenerationEnded(f"r{i}", "finished", rows, plan.resident))
             park.try_tell(GenerationEnded(f"r{i}", "finished", rows, plan.park))

@@ -60,6 +60,7 @@ from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
+from tandem.actors.store import StoreAdmit, StoreHolds, StoreOffer
 from tandem.actors.suffix import SuffixActor, SuffixAppend
 from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, OfferTiers, ParkOffered,
                                          PrefillPlan, ResidentOffered)
@@ -73,7 +74,7 @@ from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.vocabulary import Source
 from tandem.cache.planner import Planner
 from tandem.cache.resident import (Decided, ParkOffer, ResidentOffer, ResidentPrefix, Resume,
-                                   choose)
+                                   choose, park_offer, resident_offer)
 from tandem.cache.store import StateStore
 from tandem.engine import ContextOverflow, Engine, SamplingParams
 from tandem.models.base import ModelError
@@ -507,11 +508,14 @@ class EngineActor(Actor):
     # -- the plan, on the loop -------------------------------------------------------------
 
     async def _prepare(self, job: _Job) -> None:
-        """Ask each tier for its offer (each lends its holdings with it), then build the job's
-        PrefillPlan and hand it to the engine thread. A tier that cannot answer fails the job
-        (what was lent goes back)."""
+        """On the loop: ask each tier for its offer (each lends its holdings with it), align
+        the client's copy with the ends, ask the store for a longer entry (lent) and admit the
+        prefix lines the prefill will snapshot, then build the job's PrefillPlan and hand it to
+        the engine thread, which asks nobody during the prefill. A tier that cannot answer
+        fails the job; whatever was lent or reserved goes back."""
         resident, park = self._tiers
         lent: dict[str, Any] = {}
+        planned: dict[str, Any] = {"entry": None, "lines": {}}
         try:
             r = await resident.ask(OfferTiers(job.request_id, list(job.prompt_ids), self._rows,
                                               job.namespace), TIER_ASK_S, sender=self)
@@ -520,13 +524,19 @@ class EngineActor(Actor):
                                           job.namespace, rows_namespace=r.rows_namespace),
                                TIER_ASK_S, sender=self)
             lent["park"] = p.holdings
-            plan = self._plan(job, r, p)
+            # The composer holds the lent tiers from here (the loop's, then the thread's)
+            # until _done gives them back.
+            self.resident.lend(r.holdings, p.holdings)
+            plan = await self._plan(job, r, p, planned)
         except Exception as exc:
-            log.error("tier_offer_failed", request_id=job.request_id, error=type(exc).__name__)
+            log.error("plan_failed", request_id=job.request_id, error=type(exc).__name__)
+            self._unplan(planned)
+            if lent:
+                self.resident.give_back()
             self._give_back(job.request_id, lent, "not_run")
             fut: asyncio.Future[Any] = self._loop.create_future()
             fut.set_exception(exc if isinstance(exc, ActorStopped) else
-                              EngineBroken(f"a tier could not offer ({type(exc).__name__})"))
+                              EngineBroken(f"the plan could not be made ({type(exc).__name__})"))
             self._done(job, fut)
             return
         self._plans[job.request_id] = plan
@@ -536,9 +546,80 @@ class EngineActor(Actor):
                                correlation_id=None)
         self._run_job(job, plan)
 
-    def _plan(self, job: _Job, r: ResidentOffered, p: ParkOffered) -> PrefillPlan:
-        return build_plan(job.request_id, job.prompt_ids, self.engine.prefix_chunk, r, p,
-                          scored=job.generation_params.prompt_logprobs is not None)
+    async def _plan(self, job: _Job, r: ResidentOffered, p: ParkOffered,
+                    planned: dict[str, Any]) -> PrefillPlan:
+        prompt = job.prompt_ids
+        namespace = job.namespace
+        scored = job.generation_params.prompt_logprobs is not None
+        mine = ResidentOffer(Resume(r.start, r.source, guest=r.guest), r.shared, r.continuing,
+                             r.decisive)
+        theirs = ParkOffer(p.pin_point, p.park_point)
+        # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
+        alignment = await self._align(job) if self.ends is not None and not scored else None
+        served = alignment.served if alignment is not None else prompt
+        if served is not prompt:
+            # The copy is served as other rows: the same offers, over the same lent holdings,
+            # for the rows served.
+            mine = resident_offer(r.holdings, served, namespace, self._rows)
+            if not mine.decisive:
+                theirs = park_offer(p.holdings, served, namespace, self._rows,
+                                    r.holdings.namespace)
+        resume = choose(mine, theirs)
+        store_start = 0
+        store = self.store
+        if store is not None:
+            if not resume.guest:
+                # A guest never takes the store: its restore would write over resident rows
+                # no stash protects.
+                reply = await self._ask_store(StoreOffer(list(served), namespace))
+                if reply is not None and reply.entry is not None:
+                    store_start = reply.start
+                    if reply.start > resume.start:
+                        planned["entry"] = reply.entry
+                        resume = Resume(reply.start, "store")
+                    else:
+                        store.release(reply.entry)  # the resident serves it as well or better
+            for line in store.plan_prefix(served, resume.start, namespace):
+                reply = await self._ask_store(StoreAdmit(
+                    list(served[:line]), "prefix", store.snapshot_nbytes(line), namespace))
+                planned["lines"][line] = reply.verdict if reply is not None else "refused"
+        return build_plan(job.request_id, served, self.engine.prefix_chunk, mine, theirs,
+                          resume, r.holdings, p.holdings, scored=scored,
+                          served_ids=None if served is prompt else list(served),
+                          alignment=alignment, store_offer=store_start,
+                          store_entry=planned["entry"], store_lines=dict(planned["lines"]))
+
+    async def _align(self, job: _Job) -> Alignment | None:
+        """The end alignment, on the loop over the lent holdings: an end in place or parked,
+        else a recent turn's whose session snapshot the store says it holds."""
+        ends = self.ends
+        alignment, recent = ends.align_in_place(job.prompt_ids, job.namespace)
+        for candidate, rows in recent:
+            reply = await self._ask_store(StoreHolds(list(rows), job.namespace))
+            if reply is not None and reply.held:
+                return ends.aligned_to_store(candidate)
+        return alignment
+
+    async def _ask_store(self, msg: Message) -> Any:
+        """An ask of the store actor from the loop; None when it cannot answer (a shutdown),
+        which the plan takes as an empty store, as the engine thread's port does."""
+        try:
+            return await self.store.port.actor.ask(msg, TIER_ASK_S, sender=self)
+        except (ActorStopped, TimeoutError) as e:
+            log.warning("store_unreachable", message_type=type(msg).__name__,
+                        error=type(e).__name__)
+            return None
+
+    def _unplan(self, planned: dict[str, Any]) -> None:
+        """A plan that never ran: its store lease and admitted rooms go back (told)."""
+        store = self.store
+        if store is None:
+            return
+        if planned["entry"] is not None:
+            store.release(planned["entry"])
+        for line, verdict in planned["lines"].items():
+            if verdict == "reserved":
+                store.port.cancel(store.snapshot_nbytes(line))
 
     def _give_back(self, request_id: str, lent: dict[str, Any], outcome: str) -> None:
         """What the tiers lent goes back to them (`GenerationEnded`, one to each)."""
@@ -569,15 +650,9 @@ class EngineActor(Actor):
         """On the engine thread: the generation, then the rows it left in place and their
         taint handed to the loop, whether it finished or failed."""
         try:
-            if plan is None:
-                return self._generate(job)
-            # The holdings lent for this generation, given back (to the composer's lender)
-            # whatever happens: the loop returns them to their actors in _done.
-            self.resident.lend(plan.resident, plan.park)
-            try:
-                return self._generate(job, plan)
-            finally:
-                self.resident.give_back()
+            # With a plan, the composer holds the lent tiers (the loop lent them in _prepare
+            # and gives them back in _done).
+            return self._generate(job, plan)
         finally:
             engine = self.engine
             rows = list(engine.token_ids) if self._tiers is not None else None
@@ -657,19 +732,22 @@ class EngineActor(Actor):
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
                             len(job.prompt_ids) - result.reused_tokens, None, budget)
         ends = self.ends
-        # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
-        alignment = (ends.align(job.prompt_ids, job.namespace)
-                     if ends is not None and params.prompt_logprobs is None else None)
-        served = alignment.served if alignment is not None else job.prompt_ids
+        if plan is not None:
+            # Aligned on the loop, over the same lent holdings.
+            alignment = plan.alignment
+            served = plan.served if plan.served is not None else job.prompt_ids
+        else:
+            # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
+            alignment = (ends.align(job.prompt_ids, job.namespace)
+                         if ends is not None and params.prompt_logprobs is None else None)
+            served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
         on_chunk = planner.on_chunk
         if plan is not None:
-            if served is job.prompt_ids:
-                # The loop's decision, over these very holdings, for this prompt.
-                resident.decided(served, Decided(Resume(plan.start, plan.source,
-                                                        guest=plan.guest),
-                                                 plan.shared, plan.continuing))
+            # The loop's decision, over these very holdings, for the rows served.
+            resident.decided(served, Decided(Resume(plan.start, plan.source, guest=plan.guest),
+                                             plan.shared, plan.continuing))
             lines = set(plan.anchor_lines)
 
             def on_chunk(end: int) -> None:
@@ -677,7 +755,8 @@ class EngineActor(Actor):
                 if end in lines and end in resident.anchors:
                     self._anchor_written(job, end)
         try:
-            resume = planner.begin(served, params.max_tokens, job.session, job.namespace)
+            resume = planner.begin(served, params.max_tokens, job.session, job.namespace,
+                                   plan=plan)
         except MemoryRefused:
             # Refused before anything moved in the engine (the request gets a 503); the
             # governor may have shed caches on the way, which the stats show.
@@ -743,6 +822,7 @@ class EngineActor(Actor):
         self._running = None
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
+            self.resident.give_back()
             self._give_back(job.request_id, {"resident": plan.resident, "park": plan.park},
                             "finished" if not fut.cancelled() and fut.exception() is None
                             else "failed")
@@ -851,22 +931,26 @@ class EngineActor(Actor):
                 job.cancel.set()
 
 
-def build_plan(request_id: str, prompt: Sequence[int], chunk: int, r: ResidentOffered,
-               p: ParkOffered, *, scored: bool = False) -> PrefillPlan:
-    """The plan for the client's prompt over the tiers' offers (pure: the loop's part of a
-    request's way). An aligned copy is served as other rows (the end alignment, on the engine
-    thread): the thread then decides over the same lent holdings again, with the same pure
-    offers, for the rows served. ``scored``: the prompt's logprobs are wanted, so the prefill
-    runs from token 0 and passes every grid line."""
-    mine = ResidentOffer(Resume(r.start, r.source, guest=r.guest), r.shared, r.continuing,
-                         r.decisive)
-    resume = choose(mine, ParkOffer(p.pin_point, p.park_point))
+def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: ResidentOffer,
+               theirs: ParkOffer, resume: Resume, resident: Any, park: Any, *,
+               scored: bool = False, served_ids: list[int] | None = None,
+               alignment: Any = None, store_offer: int = 0, store_entry: Any = None,
+               store_lines: dict[int, str] | None = None) -> PrefillPlan:
+    """The plan for the rows ``served`` (the loop's part of a request's way; pure): ``resume``
+    chosen over the resident's and the park's offers (and the store's, ``store_offer``), the
+    grid lines the resident anchors as the prefill passes them (``scored``: the prompt's
+    logprobs are wanted, so the prefill runs from token 0 and passes every line; a guest keeps
+    none), the store's lent entry and admitted prefix lines."""
     first = 0 if scored else resume.start
-    lines = [] if resume.guest else list(range((first // chunk + 1) * chunk, len(prompt) + 1,
+    lines = [] if resume.guest else list(range((first // chunk + 1) * chunk, len(served) + 1,
                                                chunk))
-    return PrefillPlan(request_id, len(prompt), resume.start, resume.source, resume.guest,
-                       r.shared, r.continuing, r.start, p.pin_point, p.park_point, lines,
-                       resident=r.holdings, park=p.holdings)
+    return PrefillPlan(request_id, len(served), resume.start, resume.source, resume.guest,
+                       mine.shared, mine.continuing, mine.resume.start, theirs.pin_point,
+                       theirs.park_point, lines,
+                       aligned=alignment.mode if alignment is not None else None,
+                       served=served_ids, alignment=alignment, store_offer=store_offer,
+                       store_entry=store_entry, store_lines=store_lines or {},
+                       resident=resident, park=park)
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

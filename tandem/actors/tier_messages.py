@@ -89,6 +89,15 @@ class PrefillPlan(Message):
     park_offer: int
     anchor_lines: list[int]
     aligned: str | None = None  # how the client's copy met an end (tandem.cache.endalign)
+    # The rows served when the alignment changed them (None: the client's prompt), and the
+    # alignment itself (tandem.cache.endalign.Alignment: what the thread reports of it).
+    served: list[int] | None = None
+    alignment: Any = None
+    store_offer: int = 0  # where the store's longest entry resumed (0: none)
+    store_entry: Any = None  # the store's entry, lent, when it serves (source "store")
+    # The prefix lines the prefill snapshots, each admitted by the store on the loop:
+    # "reserved" (cloned at the line and inserted, or cancelled), "held" or "refused".
+    store_lines: dict[int, str] = {}
     fences: list[Fence] = []
     resident: Any = None  # the lent ResidentHoldings
     park: Any = None  # the lent ParkHoldings

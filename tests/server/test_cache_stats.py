@@ -70,3 +70,33 @@ async def test_the_actors_document_lists_the_resident_and_the_park_with_their_ma
         assert actors[name]["handled_by_type"]["GenerationEnded"] == 1
     edges = {(e["sender"], e["receiver"]) for e in doc["graph"]["edges"]}
     assert {("engine", "resident"), ("engine", "park")} <= edges
+
+
+async def test_a_prefill_asks_nothing_of_the_store_its_plan_was_admitted_on_the_loop(
+        small_loaded, make_config, serve, sdk, monkeypatch):
+    """Issue 12, part 2: the store's offer and the prefix lines' admissions are asked on the
+    loop, into the PrefillPlan; the engine thread's port tells what it hands over (the lease
+    back, the snapshot inserted) and asks only for the session put after the decode."""
+    from tandem.actors.store import StoreActorPort
+
+    asked: list[tuple[str, str | None]] = []
+    ask = StoreActorPort._ask
+
+    def watched(port, msg):
+        asked.append((type(msg).__name__, getattr(msg, "kind", None)))
+        return ask(port, msg)
+
+    monkeypatch.setattr(StoreActorPort, "_ask", watched)
+    app = build_app(make_config(), small_loaded)
+    store = app[SUPERVISOR].actors["store"]
+    text = " ".join(f"w{i}" for i in range(150))  # past two 64-token grid lines
+    async with serve(app) as server:
+        client = sdk(server)
+        for _ in range(2):
+            await client.chat.completions.create(
+                model="small", messages=[{"role": "user", "content": text}], max_tokens=2,
+                extra_body={"conversation_id": "c1"})
+    assert asked and set(asked) == {("StoreAdmit", "session")}
+    handled = store.statistics().handled_by_type
+    assert handled["StoreOffer"] == 2 and handled["StoreAdmit"] >= 3  # a prefix line, 2 puts
+    assert handled["StoreInsert"] >= 2 and handled["StoreRelease"] >= 1
