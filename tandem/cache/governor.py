@@ -34,7 +34,7 @@ import ctypes.util
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Collection, Generator, Protocol
 
 import msgspec
 import structlog
@@ -363,8 +363,8 @@ class MemoryGovernor:
         tally = _Tally()
         try:
             cheaper = LEVELS[:LEVELS.index(level)]
-            held = self._shed(cheaper, lambda h: h + nbytes <= limit, held + nbytes - limit,
-                              tally)
+            held = self._drive(self._shed(cheaper, lambda h: h + nbytes <= limit,
+                                          held + nbytes - limit, tally))
             if held + nbytes <= limit:
                 return True
             tally.refused_growth[level] = 1
@@ -373,16 +373,20 @@ class MemoryGovernor:
             self._emit(tally)  # also what was shed before a shedder raised
 
     def _shed(self, levels: tuple[str, ...], fits: Callable[[int], bool], need: int,
-              tally: _Tally) -> int:
-        """Shed ``levels`` cheapest first until ``fits(held)``; the held bytes measured last."""
+              tally: _Tally, sheddable: Collection[str] | None = None
+              ) -> Generator[tuple[str, int], int, int]:
+        """Shed ``levels`` cheapest first until ``fits(held)``; the held bytes measured last.
+        A generator: it yields each shed it decides, ``(level, need_nbytes)``, and is sent the
+        bytes freed, so that one decision serves a caller that sheds by calling the tiers
+        (``_drive``, the engine thread) and one that sheds by asking actors (the loop)."""
         held = self.measure().held_nbytes
         for level in levels:
             if fits(held):
                 break
-            shed = self.shedders.get(level)
-            if shed is None or not self.memory or self.memory.held.get(level, 0) == 0:
+            if level not in (self.shedders if sheddable is None else sheddable) \
+                    or not self.memory or self.memory.held.get(level, 0) == 0:
                 continue
-            freed = shed(max(need, 1))
+            freed = yield level, max(need, 1)
             if freed:
                 tally.shed(level, freed)
                 log.info("memory_shed", level=level, nbytes=freed)
@@ -398,11 +402,49 @@ class MemoryGovernor:
         base = self.cost.workspace_nbytes(num_tokens) if self.cost is not None else 0
         return base + self._workspace_raised_nbytes
 
+    def _drive(self, steps: Generator[tuple[str, int], int, int]) -> int:
+        """Run a shed decision, each shed by the level's shedder."""
+        try:
+            level, need = next(steps)
+            while True:
+                try:
+                    freed = self.shedders[level](need)
+                except BaseException:
+                    steps.close()  # its count of what was shed so far still goes out
+                    raise
+                level, need = steps.send(freed)
+        except StopIteration as done:
+            return done.value
+
     def before_prefill(self, num_tokens: int) -> int:
         """Make room for a prefill over ``num_tokens`` context tokens: when it does not fit, the
         allocator's reserve goes back, then caches cheapest first until the workspace fits under
         the peak. Raises
         `MemoryRefused` when it still does not; the workspace estimate otherwise."""
+        return self._drive(self._before_prefill(num_tokens))
+
+    async def admit_prefill(self, num_tokens: int,
+                            shed: Callable[[str, int], Awaitable[int]],
+                            sheddable: Collection[str]) -> int:
+        """``before_prefill`` on the event loop, before the plan is handed to the engine
+        thread: each shed is ``await shed(level, need_nbytes) -> freed`` (an ask of the actor
+        holding that level, or a call on tiers lent to the loop), for the ``sheddable``
+        levels."""
+        steps = self._before_prefill(num_tokens, sheddable)
+        try:
+            level, need = next(steps)
+            while True:
+                try:
+                    freed = await shed(level, need)
+                except BaseException:
+                    steps.close()
+                    raise
+                level, need = steps.send(freed)
+        except StopIteration as done:
+            return done.value
+
+    def _before_prefill(self, num_tokens: int, sheddable: Collection[str] | None = None
+                        ) -> Generator[tuple[str, int], int, int]:
         peak = self._limits.peak_nbytes
         workspace = self.workspace_nbytes(num_tokens)
         held = self.measure().held_nbytes
@@ -415,8 +457,8 @@ class MemoryGovernor:
                 self.allocator.release_reserve()
                 held = self.measure().held_nbytes
             if held + workspace > peak:
-                held = self._shed(LEVELS, lambda h: h + workspace <= peak,
-                                  held + workspace - peak, tally)
+                held = yield from self._shed(LEVELS, lambda h: h + workspace <= peak,
+                                             held + workspace - peak, tally, sheddable)
             if held + workspace > peak:
                 tally.counts["refusals"] = 1
                 log.warning("prefill_refused", num_tokens=num_tokens, held=held,
