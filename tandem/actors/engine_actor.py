@@ -60,7 +60,7 @@ from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
-from tandem.actors.store import StoreAdmit, StoreHolds, StoreOffer
+from tandem.actors.store import StoreAdmit, StoreHolds, StoreOffer, StoreShed
 from tandem.actors.suffix import SuffixActor, SuffixAppend
 from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, OfferTiers, ParkOffered,
                                          PrefillPlan, ResidentOffered)
@@ -86,6 +86,8 @@ log = structlog.get_logger("tandem.engine")
 # minute it is a guess), from the median of this many recent generations' durations.
 RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 60.0
 RECENT_DURATIONS = 32
+# The memory levels the resident and the park hold (tandem/cache/memory.py LEVELS less the store).
+TIER_LEVELS = ("prompt_end", "anchors", "end", "stash", "park", "pin")
 TIER_ASK_S = 30.0  # a tier's offer is a few microseconds of its handler; past this it is stuck
 
 
@@ -179,6 +181,15 @@ class _Outcome:
     budget: ReasoningBudget | None
 
 
+@dataclass
+class _Halfway:
+    """A planned generation whose tokens are all out, waiting for the store's verdict on its
+    session put (asked on the loop) before the rest runs on the engine thread."""
+
+    put: Any  # tandem.cache.store.SessionPut, or None: nothing to admit
+    complete: Callable[[str | None], _Outcome]
+
+
 class _Outside:
     """An outside holder of the capture lock, waiting or holding."""
 
@@ -223,7 +234,9 @@ class EngineActor(Actor):
         # tiers' offers are made over (written by the loop, from the engine thread's hand-off).
         self._rows: list[int] = []
         self._plans: dict[str, PrefillPlan] = {}  # the running job's, until GenerationEnded
-        self._preparing: asyncio.Task[None] | None = None  # the offers being asked for
+        # The loop's part of the running job (the plan being made, or its session put being
+        # admitted between the thread's two parts).
+        self._preparing: asyncio.Task[None] | None = None
         self._make_engine = make_engine
         self._make_resident = make_resident
         self.resident: ResidentPrefix | None = None
@@ -290,7 +303,10 @@ class EngineActor(Actor):
                     self.resident, self.tokenizer.token_bytes,
                     allow_reasoning=self.end_align_reasoning,
                     holds=self.store.holds if self.store is not None else None)
-            self.planner = Planner(self.resident, self.store, self.governor)
+            # With the tiers as actors, the governor's gate on this thread never sheds the
+            # store (an ask): a planned prefill's room was made on the loop.
+            self.planner = Planner(self.resident, self.store, self.governor,
+                                   shed_store=self._tiers is None)
             if self._tiers is None:
                 self._publish_cache_stats()
         elif self.governor is not None:
@@ -503,7 +519,33 @@ class EngineActor(Actor):
 
     def _run_job(self, job: _Job, plan: PrefillPlan | None = None) -> None:
         self._running = self._loop.run_in_executor(self._executor, self._execute, job, plan)
+        self._running.add_done_callback(lambda fut: self._generated(job, fut))
+
+    def _generated(self, job: _Job, fut: asyncio.Future[Any]) -> None:
+        """On the loop, after the thread's generation: a planned one's session put is
+        admitted here (an ask of the store) before the rest runs on the thread."""
+        if fut.cancelled() or fut.exception() is not None \
+                or not isinstance(fut.result(), _Halfway):
+            self._done(job, fut)
+            return
+        self._preparing = self._loop.create_task(self._complete(job, fut.result()))
+
+    async def _complete(self, job: _Job, halfway: _Halfway) -> None:
+        put = halfway.put
+        verdict = None
+        if put is not None:
+            reply = await self._ask_store(StoreAdmit(put.key_ids, "session", put.nbytes,
+                                                     put.namespace))
+            verdict = reply.verdict if reply is not None else "refused"
+        self._running = self._loop.run_in_executor(self._executor, self._execute_rest, halfway,
+                                                   verdict)
         self._running.add_done_callback(lambda fut: self._done(job, fut))
+
+    def _execute_rest(self, halfway: _Halfway, verdict: str | None) -> "_Outcome":
+        try:
+            return halfway.complete(verdict)
+        finally:
+            self._hand_over_rows()
 
     # -- the plan, on the loop -------------------------------------------------------------
 
@@ -529,13 +571,16 @@ class EngineActor(Actor):
             self.resident.lend(r.holdings, p.holdings)
             plan = await self._plan(job, r, p, planned)
         except Exception as exc:
-            log.error("plan_failed", request_id=job.request_id, error=type(exc).__name__)
+            if not isinstance(exc, MemoryRefused):
+                log.error("plan_failed", request_id=job.request_id, error=type(exc).__name__)
             self._unplan(planned)
             if lent:
+                if isinstance(exc, MemoryRefused):
+                    self._publish_cache_stats()  # what the governor shed on the way
                 self.resident.give_back()
             self._give_back(job.request_id, lent, "not_run")
             fut: asyncio.Future[Any] = self._loop.create_future()
-            fut.set_exception(exc if isinstance(exc, ActorStopped) else
+            fut.set_exception(exc if isinstance(exc, (ActorStopped, MemoryRefused)) else
                               EngineBroken(f"the plan could not be made ({type(exc).__name__})"))
             self._done(job, fut)
             return
@@ -564,6 +609,18 @@ class EngineActor(Actor):
             if not mine.decisive:
                 theirs = park_offer(p.holdings, served, namespace, self._rows,
                                     r.holdings.namespace)
+        workspace = 0
+        if self.governor is not None:
+            # Room for the prefill's workspace before anything moves: cheaper caches are shed
+            # (the tiers' on the lent holdings, the store's by asking it), or the request is
+            # refused (MemoryRefused: a 503). The offers are made again over what is left.
+            shed = await self._admit(job, len(served))
+            workspace, changed = shed
+            if changed:
+                mine = resident_offer(r.holdings, served, namespace, self._rows)
+                theirs = (ParkOffer(0, 0) if mine.decisive else
+                          park_offer(p.holdings, served, namespace, self._rows,
+                                     r.holdings.namespace))
         resume = choose(mine, theirs)
         store_start = 0
         store = self.store
@@ -587,7 +644,25 @@ class EngineActor(Actor):
                           resume, r.holdings, p.holdings, scored=scored,
                           served_ids=None if served is prompt else list(served),
                           alignment=alignment, store_offer=store_start,
-                          store_entry=planned["entry"], store_lines=dict(planned["lines"]))
+                          store_entry=planned["entry"], store_lines=dict(planned["lines"]),
+                          workspace_nbytes=workspace)
+
+    async def _admit(self, job: _Job, num_tokens: int) -> tuple[int, bool]:
+        """The governor's admission of this prefill, on the loop; the workspace admitted and
+        whether any tier's copies were shed for it."""
+        shed_tiers = False
+
+        async def shed(level: str, need: int) -> int:
+            nonlocal shed_tiers
+            if level == "store":
+                reply = await self._ask_store(StoreShed(need))
+                return reply.freed if reply is not None else 0
+            shed_tiers = True
+            return self.resident.shed(level, need)
+
+        levels = set(TIER_LEVELS) | ({"store"} if self.store is not None else set())
+        workspace = await self.governor.admit_prefill(num_tokens, shed, levels)
+        return workspace, shed_tiers
 
     async def _align(self, job: _Job) -> Alignment | None:
         """The end alignment, on the loop over the lent holdings: an end in place or parked,
@@ -654,9 +729,13 @@ class EngineActor(Actor):
             # and gives them back in _done).
             return self._generate(job, plan)
         finally:
-            engine = self.engine
-            rows = list(engine.token_ids) if self._tiers is not None else None
-            self._to_loop(self._ended, engine.length, engine.taint, rows)
+            self._hand_over_rows()
+
+    def _hand_over_rows(self) -> None:
+        """On the engine thread: the rows it left in place and their taint, to the loop."""
+        engine = self.engine
+        rows = list(engine.token_ids) if self._tiers is not None else None
+        self._to_loop(self._ended, engine.length, engine.taint, rows)
 
     def _ended(self, rows_in_place: int, taint: int | None, rows: list[int] | None) -> None:
         self.view = msgspec.structs.replace(self.view, rows_in_place=rows_in_place, taint=taint)
@@ -774,22 +853,42 @@ class EngineActor(Actor):
                                      **speculate, **scoring)
             if ends is not None:
                 ends.follow_park(parked_before, resume.source == "park")
-            planner.finish(served + result.token_ids, job.session, job.namespace)
-            planner.check_invariants()
-            if ends is not None and not resume.guest:
-                ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
+            committed = served + result.token_ids
+            if plan is not None:
+                put = planner.ended(committed, job.session, job.namespace)
+            else:
+                planner.finish(committed, job.session, job.namespace)
         except BaseException:
             self._abort(planner, ends)
             raise
-        self._publish_cache_stats()
         if alignment is not None and alignment.served is job.prompt_ids:
             alignment = None
         if params.prompt_logprobs is not None:
             # The engine ran the prompt cold whatever the tiers restored (tandem.engine:
             # prompt logprobs need every position forwarded): usage says so.
-            return _Outcome(result, "cold", resume.guest, len(served), alignment, budget)
-        return _Outcome(result, resume.source, resume.guest, len(served) - resume.start,
-                        alignment, budget)
+            outcome = _Outcome(result, "cold", resume.guest, len(served), alignment, budget)
+        else:
+            outcome = _Outcome(result, resume.source, resume.guest,
+                               len(served) - resume.start, alignment, budget)
+
+        def complete(verdict: str | None) -> _Outcome:
+            """The rest, on the engine thread: with a plan, after the loop asked the store
+            to admit the session put (``verdict``)."""
+            try:
+                if plan is not None:
+                    planner.settle(put, verdict or "refused", committed)
+                planner.check_invariants()
+                if ends is not None and not resume.guest:
+                    ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
+            except BaseException:
+                self._abort(planner, ends)
+                raise
+            self._publish_cache_stats()
+            return outcome
+
+        if plan is None:
+            return complete(None)
+        return _Halfway(put, complete)
 
     def _abort(self, planner: Planner, ends: EndRecords | None) -> None:
         """On the engine thread, after a failure: the rows in place are not trusted past the
@@ -935,7 +1034,8 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                theirs: ParkOffer, resume: Resume, resident: Any, park: Any, *,
                scored: bool = False, served_ids: list[int] | None = None,
                alignment: Any = None, store_offer: int = 0, store_entry: Any = None,
-               store_lines: dict[int, str] | None = None) -> PrefillPlan:
+               store_lines: dict[int, str] | None = None,
+               workspace_nbytes: int = 0) -> PrefillPlan:
     """The plan for the rows ``served`` (the loop's part of a request's way; pure): ``resume``
     chosen over the resident's and the park's offers (and the store's, ``store_offer``), the
     grid lines the resident anchors as the prefill passes them (``scored``: the prompt's
@@ -950,7 +1050,7 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                        aligned=alignment.mode if alignment is not None else None,
                        served=served_ids, alignment=alignment, store_offer=store_offer,
                        store_entry=store_entry, store_lines=store_lines or {},
-                       resident=resident, park=park)
+                       workspace_nbytes=workspace_nbytes, resident=resident, park=park)
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

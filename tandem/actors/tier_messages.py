@@ -99,6 +99,7 @@ class PrefillPlan(Message):
     # "reserved" (cloned at the line and inserted, or cancelled), "held" or "refused".
     store_lines: dict[int, str] = {}
     fences: list[Fence] = []
+    workspace_nbytes: int = 0  # the prefill's workspace the governor admitted (0: no governor)
     resident: Any = None  # the lent ResidentHoldings
     park: Any = None  # the lent ParkHoldings
 

@@ -31,12 +31,15 @@ from typing import Any, Sequence
 from tandem.cache.governor import MemoryGovernor
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import ResidentPrefix, Resume
-from tandem.cache.store import StateStore
+from tandem.cache.store import SessionPut, StateStore
 
 
 class Planner:
     def __init__(self, resident: ResidentPrefix, store: StateStore | None = None,
-                 governor: MemoryGovernor | None = None) -> None:
+                 governor: MemoryGovernor | None = None, *, shed_store: bool = True) -> None:
+        """``shed_store`` False: the governor's growth gate, which runs on the engine thread
+        during a prefill, never sheds the store (shedding it is an ask of the store actor;
+        a planned prefill's room was made on the loop, where the store is asked)."""
         self.resident = resident
         self.engine = resident.engine
         self.store = store
@@ -45,7 +48,7 @@ class Planner:
         if governor is not None:
             shedders = {level: partial(resident.shed, level)
                         for level in ("prompt_end", "anchors", "end", "stash", "park", "pin")}
-            if store is not None:
+            if store is not None and shed_store:
                 shedders["store"] = store.shed
             governor.attach(resident.memory, shedders, self.engine.cost())
 
@@ -54,7 +57,8 @@ class Planner:
         """``plan``: the PrefillPlan the loop made (tandem/actors/tier_messages.py), whose
         store entry (lent) and admitted prefix lines are taken as they are: nothing is asked
         of the store here. Without one, the store is asked (the synchronous form)."""
-        if self.governor is not None:
+        if self.governor is not None and plan is None:
+            # (A plan was admitted on the loop: governor.admit_prefill.)
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
         if plan is not None:
@@ -123,6 +127,27 @@ class Planner:
             self.store.end_prefill()
             if committed_ids is not None:
                 self.store.put_session(committed_ids, session, namespace)
+        self.resident.finish(committed_ids)
+        if self.governor is not None:
+            self.governor.after_prefill()
+            self.governor.after_request()
+
+    def ended(self, committed_ids: Sequence[int], session: str | None,
+              namespace: Namespace = SHARED) -> SessionPut | None:
+        """``finish``'s first half for a planned generation, which asks nothing: the prefill's
+        unused rooms go back and the session put is prepared (or declined); the loop asks the
+        store to admit it, then ``settle`` runs."""
+        if self.store is None:
+            return None
+        self.store.end_prefill()
+        return self.store.session_put(committed_ids, session, namespace)
+
+    def settle(self, put: SessionPut | None, verdict: str,
+               committed_ids: Sequence[int] | None) -> None:
+        """``finish``'s second half: the session snapshot cloned into the room the store
+        reserved (told), then the resident prefix's end (the put first, as SRV-253 has it)."""
+        if put is not None:
+            self.store.put_admitted(put, verdict)
         self.resident.finish(committed_ids)
         if self.governor is not None:
             self.governor.after_prefill()

@@ -306,6 +306,16 @@ class StoreCore:
         assert set(self._leased) <= set(self._entries), "a lease on an entry no longer held"
 
 
+@dataclass(frozen=True)
+class SessionPut:
+    """A session snapshot to admit: the rows in place as its key, their taint, its bytes."""
+
+    key_ids: list[int]
+    taint: int | None
+    nbytes: int
+    namespace: Namespace = SHARED
+
+
 class StateStore:
     """The engine thread's side of the store: what to snapshot, the clones and the restores."""
 
@@ -433,10 +443,19 @@ class StateStore:
         the conversation's committed tokens. Declined, before anything is cloned, when the
         engine is ahead of them (declined_short) or the snapshot is over the cap
         (declined_big)."""
+        put = self.session_put(committed_ids, conversation, namespace)
+        if put is None:
+            return False
+        return self._put(put.key_ids, "session", put.taint, namespace)
+
+    def session_put(self, committed_ids: Sequence[int], conversation: str | None,
+                    namespace: Namespace = SHARED) -> "SessionPut | None":
+        """``put_session``'s first half, which asks nothing: the snapshot to admit, or None
+        when it is declined (the decline told)."""
         eng = self.engine
         n = eng.length
         if n == 0:
-            return False
+            return None
         committed = list(committed_ids)
         if n > len(committed) or eng.token_ids != committed[:n]:
             # The rows run past the committed tokens (a generation that stopped inside an
@@ -448,15 +467,25 @@ class StateStore:
                 self._decline("short", conversation, committed,
                               f"the engine is {n} rows in, past the {keep} of the "
                               f"{len(committed)} committed tokens it shares")
-                return False
+                return None
             n = eng.length
         nbytes = self.snapshot_nbytes(n)
         if nbytes > self.entry_nbytes:
             self._decline("big", conversation, committed,
                           f"a {n}-token snapshot is {nbytes} bytes, over the entry cap of "
                           f"{self.entry_nbytes}")
-            return False
-        return self._put(list(eng.token_ids), "session", eng.taint, namespace)
+            return None
+        return SessionPut(list(eng.token_ids), eng.taint, nbytes, namespace)
+
+    def put_admitted(self, put: "SessionPut", verdict: str) -> bool:
+        """``put_session``'s second half, the store's verdict asked on the loop: a reserved
+        room is filled (the snapshot told to the store). The rows in place must still be
+        ``put.key_ids``."""
+        if verdict != "reserved":
+            return verdict == "held"
+        assert self.engine.token_ids == put.key_ids, "the rows moved under a session put"
+        self._clone(put.key_ids, "session", put.taint, put.namespace, put.nbytes)
+        return True
 
     def _decline(self, reason: str, conversation: str | None, committed: list[int],
                  detail: str) -> None:

@@ -182,3 +182,86 @@ async def test_two_sessions_and_guests_alternating_hard_keep_every_tier_sound():
         composer.finish(prompt + result.token_ids)
         expected.append(result.token_ids)
     assert outs == expected
+
+
+class _Process:
+    """The memory the governor measures: a base plus exactly what the caches hold."""
+
+    device = "fake"
+    BASE = 1 << 30
+
+    def __init__(self, memory: MemoryAccountant) -> None:
+        self.memory = memory
+
+    def measure(self):
+        from tandem.cache.governor import Reading
+        return Reading(self.BASE + sum(self.memory.held.values()), 0)
+
+    def release_reserve(self) -> None:
+        pass
+
+    def total_nbytes(self) -> int:
+        return 4 * self.BASE
+
+
+def _governed(harness: Harness):
+    from tandem.cache.governor import MemoryGovernor, MemoryLimits
+
+    memory = MemoryAccountant({level: 64 * MiB for level in LEVELS})
+    held, parked = make_holdings(memory, CHUNK)
+    resident = harness.add(ResidentActor("resident", holdings=held))
+    park = harness.add(ParkActor("park", holdings=parked))
+    process = _Process(memory)
+    governor = MemoryGovernor(MemoryLimits(2 * process.BASE, 3 * process.BASE, 1 << 20),
+                              process)
+    harness.add(EngineActor(
+        "engine", make_engine=lambda: Engine(ThirdModel(), window=WINDOW, prefix_chunk=CHUNK),
+        make_resident=lambda e: ResidentPrefix.lent_to(e, memory), tiers=(resident, park),
+        governor=governor))
+    return memory, governor, process
+
+
+async def test_the_governor_admits_a_plan_on_the_loop_shedding_lent_tiers_or_refusing():
+    """Issue 12, part 2: the governor's admission is asked on the loop, before the plan goes
+    to the engine thread; what it sheds to make room comes out of the lent holdings, and a
+    refusal gives them back untouched by any prefill."""
+    from tandem.cache.governor import MemoryLimits
+
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    memory, governor, process = _governed(harness)
+    first = _prompt(80, 1)
+    async with harness:
+        _, done = await _run(harness, client, "a", first)
+        assert isinstance(done, GenerationFinished)
+        anchors = memory.held["anchors"]
+        assert anchors > 0
+        admitted: list[dict] = []
+        admit = governor.admit_prefill
+
+        async def watched(*args):
+            workspace = await admit(*args)
+            admitted.append(dict(governor.stats.shed_total))
+            return workspace
+
+        governor.admit_prefill = watched
+        workspace = governor.workspace_nbytes(100)
+        # The peak leaves the next prefill's workspace room only once the anchors and the
+        # prompt-end anchor are gone.
+        base = process.BASE + sum(memory.held.values())
+        governor.set_limits(MemoryLimits(
+            base - anchors - memory.held["prompt_end"] + 1, base + workspace - anchors
+            - memory.held["prompt_end"], 1))
+        _, done = await _run(harness, client, "b", _prompt(100, 2))
+        assert isinstance(done, GenerationFinished)
+        plans = [e for e in harness.trace.entries() if e.type == "PrefillPlan"]
+        assert len(plans) == 2
+        # Shed by the admission itself, on the loop, before the plan went to the thread.
+        assert admitted[0]["anchors"] == 1 and admitted[0]["prompt_end"] == 1
+        governor.set_limits(MemoryLimits(process.BASE // 4, process.BASE // 2, 1))
+        _, failed = await _run(harness, client, "c", _prompt(100, 3))
+        await asyncio.sleep(0)
+        stats = await harness.ask("resident", GetTierStats())
+    assert isinstance(failed, GenerationFailed) and failed.reason == "no_memory"
+    assert stats.lent_to is None and stats.stats["lent_total"] == 3
+    assert len([e for e in harness.trace.entries() if e.type == "PrefillPlan"]) == 2

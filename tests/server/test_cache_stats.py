@@ -72,11 +72,12 @@ async def test_the_actors_document_lists_the_resident_and_the_park_with_their_ma
     assert {("engine", "resident"), ("engine", "park")} <= edges
 
 
-async def test_a_prefill_asks_nothing_of_the_store_its_plan_was_admitted_on_the_loop(
+async def test_the_engine_thread_asks_nothing_of_the_store_the_loop_asks_for_the_plan(
         small_loaded, make_config, serve, sdk, monkeypatch):
-    """Issue 12, part 2: the store's offer and the prefix lines' admissions are asked on the
-    loop, into the PrefillPlan; the engine thread's port tells what it hands over (the lease
-    back, the snapshot inserted) and asks only for the session put after the decode."""
+    """Issue 12, part 2: the store's offer, the prefix lines' admissions and the session put's
+    admission are asked on the loop (the first two into the PrefillPlan, the last between the
+    thread's decode and its end anchor); the engine thread's port only tells what it hands
+    over (the lease back, the snapshots inserted)."""
     from tandem.actors.store import StoreActorPort
 
     asked: list[tuple[str, str | None]] = []
@@ -96,7 +97,7 @@ async def test_a_prefill_asks_nothing_of_the_store_its_plan_was_admitted_on_the_
             await client.chat.completions.create(
                 model="small", messages=[{"role": "user", "content": text}], max_tokens=2,
                 extra_body={"conversation_id": "c1"})
-    assert asked and set(asked) == {("StoreAdmit", "session")}
+    assert asked == []
     handled = store.statistics().handled_by_type
     assert handled["StoreOffer"] == 2 and handled["StoreAdmit"] >= 3  # a prefix line, 2 puts
     assert handled["StoreInsert"] >= 2 and handled["StoreRelease"] >= 1
