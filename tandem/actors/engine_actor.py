@@ -298,7 +298,7 @@ class EngineActor(Actor):
             self.resident = self._make_resident(engine)
             if self._make_store is not None:
                 self.store = self._make_store(engine)
-            if self.end_align:
+            if self.end_align and self._tiers is None:
                 self.ends = EndRecords(
                     self.resident, self.tokenizer.token_bytes,
                     allow_reasoning=self.end_align_reasoning,
@@ -323,13 +323,20 @@ class EngineActor(Actor):
         """On the engine thread: the caches' counters, made here and stored by the loop."""
         if self.resident is not None:
             resident = self.resident.statistics()
-            ends = self.ends
+            ends = self._end_records()
             resident["alignments"] = dict(ends.alignments) if ends is not None else {}
             resident["replays"] = ends.replays if ends is not None else 0
             resident["aligned_to_store"] = ends.stored if ends is not None else 0
             # The store's counters are asked of its actor (/v1/cache/stats), not asked for
             # from here after every request.
             self._to_loop(self._set_cache_stats, {"tiers": {"resident": resident}})
+
+    def _end_records(self) -> EndRecords | None:
+        """The end records: the resident's (in its holdings, while they are lent), or the
+        engine's own when the composer keeps its tiers."""
+        if self._tiers is not None:
+            return self.resident.holdings.records
+        return self.ends
 
     def _set_cache_stats(self, stats: dict) -> None:
         self.cache_stats = stats
@@ -600,7 +607,8 @@ class EngineActor(Actor):
                              r.decisive)
         theirs = ParkOffer(p.pin_point, p.park_point)
         # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
-        alignment = await self._align(job) if self.ends is not None and not scored else None
+        alignment = (await self._align(job) if self._end_records() is not None and not scored
+                     else None)
         served = alignment.served if alignment is not None else prompt
         if served is not prompt:
             # The copy is served as other rows: the same offers, over the same lent holdings,
@@ -640,8 +648,15 @@ class EngineActor(Actor):
                 reply = await self._ask_store(StoreAdmit(
                     list(served[:line]), "prefix", store.snapshot_nbytes(line), namespace))
                 planned["lines"][line] = reply.verdict if reply is not None else "refused"
+        moves = None
+        if resume.source != "store":
+            moves = self.resident.moves(list(served), job.generation_params.max_tokens,
+                                        job.session, namespace, resume, mine.shared,
+                                        mine.continuing, self._rows, self.view.taint)
         return build_plan(job.request_id, served, self.engine.prefix_chunk, mine, theirs,
-                          resume, r.holdings, p.holdings, scored=scored,
+                          resume, r.holdings, p.holdings, scored=scored, moves=moves,
+                          session_put=store is not None,
+                          keep_end=r.holdings.ends.end_anchor and not resume.guest,
                           served_ids=None if served is prompt else list(served),
                           alignment=alignment, store_offer=store_start,
                           store_entry=planned["entry"], store_lines=dict(planned["lines"]),
@@ -667,7 +682,7 @@ class EngineActor(Actor):
     async def _align(self, job: _Job) -> Alignment | None:
         """The end alignment, on the loop over the lent holdings: an end in place or parked,
         else a recent turn's whose session snapshot the store says it holds."""
-        ends = self.ends
+        ends = self._end_records()
         alignment, recent = ends.align_in_place(job.prompt_ids, job.namespace)
         for candidate, rows in recent:
             reply = await self._ask_store(StoreHolds(list(rows), job.namespace))
@@ -810,7 +825,7 @@ class EngineActor(Actor):
                     self.governor.after_request()
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
                             len(job.prompt_ids) - result.reused_tokens, None, budget)
-        ends = self.ends
+        ends = self._end_records()
         if plan is not None:
             # Aligned on the loop, over the same lent holdings.
             alignment = plan.alignment
@@ -826,7 +841,7 @@ class EngineActor(Actor):
         if plan is not None:
             # The loop's decision, over these very holdings, for the rows served.
             resident.decided(served, Decided(Resume(plan.start, plan.source, guest=plan.guest),
-                                             plan.shared, plan.continuing))
+                                             plan.shared, plan.continuing, plan.moves))
             lines = set(plan.anchor_lines)
 
             def on_chunk(end: int) -> None:
@@ -1035,7 +1050,8 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                scored: bool = False, served_ids: list[int] | None = None,
                alignment: Any = None, store_offer: int = 0, store_entry: Any = None,
                store_lines: dict[int, str] | None = None,
-               workspace_nbytes: int = 0) -> PrefillPlan:
+               workspace_nbytes: int = 0, moves: Any = None, session_put: bool = False,
+               keep_end: bool = False) -> PrefillPlan:
     """The plan for the rows ``served`` (the loop's part of a request's way; pure): ``resume``
     chosen over the resident's and the park's offers (and the store's, ``store_offer``), the
     grid lines the resident anchors as the prefill passes them (``scored``: the prompt's
@@ -1046,7 +1062,8 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                                                chunk))
     return PrefillPlan(request_id, len(served), resume.start, resume.source, resume.guest,
                        mine.shared, mine.continuing, mine.resume.start, theirs.pin_point,
-                       theirs.park_point, lines,
+                       theirs.park_point, lines, moves=moves, session_put=session_put,
+                       keep_end=keep_end,
                        aligned=alignment.mode if alignment is not None else None,
                        served=served_ids, alignment=alignment, store_offer=store_offer,
                        store_entry=store_entry, store_lines=store_lines or {},

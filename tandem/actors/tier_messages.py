@@ -19,6 +19,7 @@ import msgspec
 
 from tandem.actors.messages import Message
 from tandem.cache.namespace import SHARED
+from tandem.cache.resident import Moves
 from tandem.cache.vocabulary import Source
 
 
@@ -88,6 +89,10 @@ class PrefillPlan(Message):
     pin_offer: int
     park_offer: int
     anchor_lines: list[int]
+    # What the resident does to get there (the copy it restores, the leaving conversation's
+    # park, the compaction's pin, a guest's stash), decided here over the lent holdings; None
+    # when the store's entry serves (the resident adopts the restore instead).
+    moves: Moves | None = None
     aligned: str | None = None  # how the client's copy met an end (tandem.cache.endalign)
     # The rows served when the alignment changed them (None: the client's prompt), and the
     # alignment itself (tandem.cache.endalign.Alignment: what the thread reports of it).
@@ -98,6 +103,10 @@ class PrefillPlan(Message):
     # The prefix lines the prefill snapshots, each admitted by the store on the loop:
     # "reserved" (cloned at the line and inserted, or cancelled), "held" or "refused".
     store_lines: dict[int, str] = {}
+    # The lines to stage for the disk tier (empty until it exists: issue 15).
+    disk_lines: list[int] = []
+    session_put: bool = False  # the store is asked to admit a session snapshot after the decode
+    keep_end: bool = False  # the end anchor is kept at the committed tokens (no guest)
     fences: list[Fence] = []
     workspace_nbytes: int = 0  # the prefill's workspace the governor admitted (0: no governor)
     resident: Any = None  # the lent ResidentHoldings

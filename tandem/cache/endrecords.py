@@ -27,16 +27,23 @@ RECENT = 8  # records of the last turns kept for the state store's session snaps
 
 
 class EndRecords:
-    def __init__(self, resident: ResidentPrefix, token_bytes: Callable[[int], bytes | None], *,
-                 allow_reasoning: bool = True,
-                 holds: Callable[[list[int], Namespace], bool] | None = None) -> None:
+    def __init__(self, resident: ResidentPrefix | None,
+                 token_bytes: Callable[[int], bytes | None], *, allow_reasoning: bool = True,
+                 holds: Callable[[list[int], Namespace], bool] | None = None,
+                 store_backed: bool = False) -> None:
         """``holds(rows, namespace)``: whether the state store holds a session snapshot of
-        exactly these rows in that namespace (None: no store). A client's copy that aligns with a recent turn's record is
-        served as that record's rows only when it does, so the store resumes it there."""
+        exactly these rows in that namespace (None: no store). A client's copy that aligns
+        with a recent turn's record is served as that record's rows only when it does, so the
+        store resumes it there. ``store_backed``: a store exists, asked by the caller of
+        ``align_in_place`` (the loop) rather than through ``holds``.
+
+        ``resident``: the composer whose ends the records follow; records kept in the
+        resident's holdings are bound to the composer they are lent to (ResidentPrefix.lend)."""
         self.resident = resident
         self.token_bytes = token_bytes
         self.allow_reasoning = allow_reasoning
         self.holds = holds
+        self.store_backed = store_backed or holds is not None
         self.record: EndRecord | None = None  # of the end in place
         self._record_namespace: Namespace = SHARED  # of the rows ``record`` was made over
         self.parked_record: EndRecord | None = None  # of the parked end
@@ -81,7 +88,7 @@ class EndRecords:
             alignment = self._align(record, prompt)
             if alignment is not None:
                 return self._count(alignment), []
-        if self.holds is None:
+        if not self.store_backed:
             return None, []
         # Then the recent turns whose ends have gone (a third conversation took the park):
         # their session snapshots may still be in the store.
@@ -138,7 +145,7 @@ class EndRecords:
         self.record = EndRecord.after_turn(previous, served, in_rows,
                                            hidden_in_generated=hidden_in_generated)
         self._record_namespace = resident.namespace
-        if self.holds is not None:  # only a store's session snapshots are keyed by them
+        if self.store_backed:  # only a store's session snapshots are keyed by them
             self.recent.append((resident.namespace, self.record))
 
     def _continued(self, rows: list[int], namespace: Namespace) -> EndRecord | None:

@@ -26,8 +26,9 @@ place are parked as another session's.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Literal, Protocol, Sequence
 
+import msgspec
 import structlog
 import torch
 
@@ -44,8 +45,8 @@ from tandem.cache.vocabulary import Source, Tier, tier_of
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
 
-__all__ = ["ParkHoldings", "PromptEnd", "ResidentHoldings", "ResidentPrefix", "ResidentStats",
-           "Resume", "SequenceEngine", "TiersLent", "make_holdings"]
+__all__ = ["Moves", "ParkHoldings", "PromptEnd", "ResidentHoldings", "ResidentPrefix",
+           "ResidentStats", "Resume", "SequenceEngine", "TiersLent", "make_holdings"]
 
 log = structlog.get_logger()
 
@@ -85,6 +86,31 @@ class Resume:
     @property
     def tier(self) -> Tier | None:
         return tier_of(self.source)
+
+
+class Moves(msgspec.Struct, frozen=True):
+    """What ``begin`` does to serve a request (``ResidentPrefix.moves``, decided before it):
+
+    - ``kind``: ``extend`` the rows in place; ``move`` to an anchor, the end, the prompt end or
+      row 0 over them; swap in the ``pin`` or the ``park``; or run a ``guest`` over a stash;
+    - ``restore``: the copy written back (``anchor:<line>``, ``end``, ``prompt_end``,
+      ``pin:<line>``, ``park:<line>``, ``park:end``; None: none);
+    - ``park_above``: the rows in place above this row are parked as the conversation leaves
+      (None: they are not; for a park swap, the returning park's head);
+    - ``drop_park``: a compaction drops its session's park; ``pin_head``: it pins the old head;
+    - ``pin_rows_from``: a pin swap copies the pin's rows back from this row;
+    - ``stash_stop``, ``stash_sections``: a guest's stash holds rows [start, stop), and the
+      sections too unless the end anchor holds the live state."""
+
+    kind: Literal["extend", "move", "pin", "park", "guest"]
+    start: int
+    restore: str | None = None
+    park_above: int | None = None
+    drop_park: bool = False
+    pin_head: bool = False
+    pin_rows_from: int = 0
+    stash_stop: int = 0
+    stash_sections: bool = True
 
 
 @dataclass
@@ -127,7 +153,8 @@ class ResidentHoldings:
     session: str | None = None
     namespace: Namespace = SHARED
     hits: _Hits = field(default_factory=_Hits)
-    records: object = None  # the end records (tandem/cache/endrecords.py), when aligned
+    # The end records (tandem/cache/endrecords.py) beside the ends, when copies are aligned.
+    records: object = None
 
     def check_invariants(self, token_ids: list[int]) -> None:
         self.anchors.check_invariants(len(token_ids))
@@ -150,15 +177,19 @@ class ParkHoldings:
 def make_holdings(memory: MemoryAccountant, chunk: int, *, guest_max: int = 8192,
                   keep_newest: int = 4, end_anchor: bool = True, stash_margin: int = 512,
                   pin_every: int = 4, pin_max: int = 8, park_anchors: int = 4,
-                  prompt_end_anchor: bool = True) -> tuple[ResidentHoldings, ParkHoldings]:
-    """The five tiers over ``chunk``-row grid lines, their copies held to ``memory``."""
+                  prompt_end_anchor: bool = True,
+                  park_memory: MemoryAccountant | None = None
+                  ) -> tuple[ResidentHoldings, ParkHoldings]:
+    """The five tiers over ``chunk``-row grid lines, their copies held to ``memory`` (the pin's
+    and the park's to ``park_memory`` when the park keeps its own accounts)."""
+    parks = memory if park_memory is None else park_memory
     return (ResidentHoldings(
         Anchors(memory, chunk=chunk, keep_newest=keep_newest, pin_every=pin_every,
                 pin_max=pin_max),
         Ends(memory, end_anchor=end_anchor, prompt_end_anchor=prompt_end_anchor),
         Stash(memory, guest_max=guest_max, stash_margin=stash_margin)),
-        ParkHoldings(Pin(memory, chunk=chunk, pin_every=pin_every, pin_max=pin_max),
-                     Park(memory, park_anchors=park_anchors)))
+        ParkHoldings(Pin(parks, chunk=chunk, pin_every=pin_every, pin_max=pin_max),
+                     Park(parks, park_anchors=park_anchors)))
 
 
 class TiersLent(RuntimeError):
@@ -192,9 +223,13 @@ class ResidentPrefix:
         """The tiers, lent by their actors for one generation."""
         assert resident.anchors.chunk == self.chunk, "tiers of another grid"
         self._tiers, self._park_tiers = resident, park
+        if resident.records is not None:
+            resident.records.resident = self  # the records follow the ends they are lent with
 
     def give_back(self) -> tuple[ResidentHoldings, ParkHoldings]:
         lent = self._tiers, self._park_tiers
+        if self._tiers is not None and self._tiers.records is not None:
+            self._tiers.records.resident = None
         self._tiers = self._park_tiers = None
         self._decided = None  # made over the holdings leaving
         return lent
@@ -304,30 +339,33 @@ class ResidentPrefix:
         eng = self.engine
         prompt = list(prompt_ids)
         decided, self._decided = self._decided, None
+        moves = None
         if decided is not None and decided[0] == prompt:
             plan = decided[1]
-            offer, c, continuing = plan.resume, plan.shared, plan.continuing
+            offer, c, continuing, moves = plan.resume, plan.shared, plan.continuing, plan.moves
         else:
             offer, c, continuing = self._plan(prompt, namespace)
-        if offer.guest:
-            return self._begin_guest(prompt, max_tokens, min(c, len(prompt) - 1), namespace)
-        if offer.source == "pin":
-            return self._swap_in_pin(prompt, offer.start, session, namespace)
-        if offer.source == "park":
+        if moves is None:
+            moves = self.moves(prompt, max_tokens, session, namespace, offer, c, continuing,
+                               eng.token_ids, eng.taint)
+        else:
+            # Decided on the loop over the rows it was handed: they must be the rows here.
+            assert c == (common_prefix(prompt, eng.token_ids)
+                         if namespace == self.namespace else 0), "moves over other rows"
+        if moves.kind == "guest":
+            return self._begin_guest(prompt, moves, namespace)
+        if moves.kind == "pin":
+            return self._swap_in_pin(prompt, moves, session, namespace)
+        if moves.kind == "park":
             return self._swap_in_park(prompt, offer.start, session, namespace)
         best = offer
-
-        if not continuing:
-            # A request too long to be a guest that shares nothing is a compaction: its
-            # session's park is history it replaces, and the old prompt's head is pinned.
-            compaction = (namespace == self.namespace and c < self.chunk
-                          and eng.length >= self.chunk and best.source != "prompt_end")
-            if compaction and self.park_tier.holds_session(session, namespace):
-                self.park_tier.drop()
-            if self._other_session(session, namespace) and eng.length > best.start:
-                self._park_current(best.start)
-            elif compaction:
-                self._pin_head()
+        if moves.drop_park:
+            self.park_tier.drop()
+        if moves.park_above is not None:
+            self._park_current(moves.park_above)
+        if moves.pin_head:
+            self._pin_head()
+        if moves.kind == "move":
             self._move_to(best)
         self.session = session
         self.namespace = namespace
@@ -335,6 +373,57 @@ class ResidentPrefix:
         if best.source == "prompt_end":
             return Resume(best.start, best.source, logits=self.prompt_end.logits.clone())
         return best
+
+    def moves(self, prompt: list[int], max_tokens: int, session: str | None,
+              namespace: Namespace, offer: Resume, c: int, continuing: bool,
+              rows: Sequence[int], taint: int | None) -> Moves:
+        """What ``begin`` does to serve ``offer`` over the rows in place ``rows`` (their
+        ``taint``): pure, so that the loop decides it over lent tiers (the plan's) and the
+        engine thread only carries it out."""
+        length = len(rows)
+        if offer.guest:
+            start = self.anchor_tier.best(min(c, len(prompt) - 1))
+            return Moves("guest", start, restore=f"anchor:{start}" if start else None,
+                         stash_stop=self.stash_tier.stop(length, len(prompt), max_tokens),
+                         stash_sections=not self.ends.at(length))
+        other = self._other_session(session, namespace)
+        if offer.source == "pin":
+            # Rows both prompts share stay; the rest of the head is copied back. Rows in
+            # place from taint on (decoded, or after an off-grid resume), and those of a
+            # partial chunk, are not the pin's cold rows though their tokens are: the pin's
+            # copies come back from the grid line under them.
+            pin = self.pinned
+            shared = min(common_prefix(pin.token_ids, list(rows))
+                         if namespace == self.namespace else 0,
+                         offer.start, offer.start if taint is None else taint)
+            return Moves("pin", offer.start, restore=f"pin:{offer.start}",
+                         park_above=self.anchor_tier.best(c) if other and length > c else None,
+                         pin_rows_from=shared - shared % self.chunk)
+        if offer.source == "park":
+            park = self.parked
+            at_end = park.end is not None and park.end.length == offer.start
+            return Moves("park", offer.start,
+                         restore="park:end" if at_end else f"park:{offer.start}",
+                         park_above=park.head)
+        if continuing:
+            return Moves("extend", offer.start)
+        # A request too long to be a guest that shares nothing is a compaction: its session's
+        # park is history it replaces, and the old prompt's head is pinned.
+        compaction = (namespace == self.namespace and c < self.chunk
+                      and length >= self.chunk and offer.source != "prompt_end")
+        drop_park = compaction and self.park_tier.holds_session(session, namespace)
+        park_above = offer.start if other and length > offer.start else None
+        pin = self.pin_tier
+        pin_head = (park_above is None and compaction
+                    and bool(pin_lines(self.anchors, chunk=self.chunk, pin_every=pin.pin_every,
+                                       pin_max=pin.pin_max))
+                    and not pin.covers(rows, self.namespace))
+        restore = {"prompt_end": "prompt_end", "end": "end"}.get(
+            offer.source, f"anchor:{offer.start}" if offer.start else None)
+        if offer.start == length and offer.source != "prompt_end":
+            restore = None  # the rows in place end there: nothing to write back
+        return Moves("move", offer.start, restore=restore, drop_park=drop_park,
+                     park_above=park_above, pin_head=pin_head)
 
     def offer(self, prompt_ids: Sequence[int], namespace: Namespace = SHARED) -> Resume:
         """Where ``begin`` would resume this prompt, with no side effect: the planner compares
@@ -391,8 +480,7 @@ class ResidentPrefix:
         """The memory governor's call, on the engine thread between chunks or before a
         prefill: give back copies at ``level`` until ``need_nbytes`` are freed; the bytes
         freed. Anchors go cheapest loss first; the end, stash, park and pin go whole."""
-        held = self.memory.held
-        before = held[level]
+        before = self.memory.held[level]
         if level == "anchors":
             self.anchor_tier.shed(need_nbytes)
         elif level == "end":
@@ -407,7 +495,7 @@ class ResidentPrefix:
             self.pin_tier.drop()
         elif level == "prompt_end":
             self.ends.release_prompt_end()
-        return before - held[level]
+        return before - self.memory.held[level]
 
     def _drop_stash(self) -> None:
         """The guest keeps its rows and the resident rows it wrote over are lost: everything
@@ -483,13 +571,11 @@ class ResidentPrefix:
 
     # -- guests ----------------------------------------------------------------------------
 
-    def _begin_guest(self, prompt: list[int], max_tokens: int, c: int,
-                     namespace: Namespace) -> Resume:
+    def _begin_guest(self, prompt: list[int], moves: Moves, namespace: Namespace) -> Resume:
         eng = self.engine
         state = eng.cache_state()
-        start = self.anchor_tier.best(c)
-        stop = self.stash_tier.stop(eng.length, len(prompt), max_tokens)
-        live_in_end = self.ends.at(eng.length)
+        start, stop = moves.start, moves.stash_stop
+        live_in_end = not moves.stash_sections
         nbytes = RowsCopy.nbytes_of(state, max(stop - start, 0))
         if not live_in_end:
             nbytes += SectionsCopy.nbytes_of(state)
@@ -594,20 +680,14 @@ class ResidentPrefix:
         log.info("head_pinned", rows=len(pinned.token_ids), anchors=len(pinned.anchors),
                  nbytes=pinned.nbytes)
 
-    def _swap_in_pin(self, prompt: list[int], line: int, session: str | None,
+    def _swap_in_pin(self, prompt: list[int], moves: Moves, session: str | None,
                      namespace: Namespace) -> Resume:
         eng, pin = self.engine, self.pinned
         state = eng.cache_state()
-        c = self._shared_rows(prompt, namespace)
-        if self._other_session(session, namespace) and eng.length > c:
-            self._park_current(self.anchor_tier.best(c))
-        # Rows both prompts share stay; the rest of the head is copied back.
-        # Rows in place from taint on (decoded, or after an off-grid resume), and those of a
-        # partial chunk, are not the pin's cold rows though their tokens are: the pin's copies
-        # come back from the grid line under them.
-        shared = min(self._shared_rows(pin.token_ids, namespace), line,
-                     line if eng.taint is None else eng.taint)
-        shared -= shared % self.chunk
+        line = moves.start
+        if moves.park_above is not None:
+            self._park_current(moves.park_above)
+        shared = moves.pin_rows_from
         # Set before the first write: a restore that fails half way leaves no copy of one
         # namespace's rows under another's name (abort cuts back to its anchors).
         self.namespace = namespace
@@ -737,6 +817,7 @@ class Decided:
     resume: Resume
     shared: int
     continuing: bool
+    moves: Moves | None = None  # decided with it (None: begin decides them)
 
 
 def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Namespace,

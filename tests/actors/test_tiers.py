@@ -265,3 +265,36 @@ async def test_the_governor_admits_a_plan_on_the_loop_shedding_lent_tiers_or_ref
     assert isinstance(failed, GenerationFailed) and failed.reason == "no_memory"
     assert stats.lent_to is None and stats.stats["lent_total"] == 3
     assert len([e for e in harness.trace.entries() if e.type == "PrefillPlan"]) == 2
+
+
+async def test_the_plan_carries_the_moves_decided_on_the_loop(monkeypatch):
+    """The plan says what the resident does (the leaving conversation's park, the pin swap's
+    rows, a guest's stash, a compaction's pin), decided on the loop over the lent holdings;
+    the thread carries it out (its tokens are the synchronous composer's: the stress test)."""
+    plans = []
+    run = EngineActor._run_job
+
+    def watched(self, job, plan=None):
+        plans.append(plan)
+        return run(self, job, plan)
+
+    monkeypatch.setattr(EngineActor, "_run_job", watched)
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    _system(harness)
+    head = _prompt(33, 9)
+    a, b = head + _prompt(70, 4), head + _prompt(60, 5)
+    async with harness:
+        await _run(harness, client, "a1", a, session="a")
+        await _run(harness, client, "b1", b, session="b")  # parks a's rows above 32
+        await _run(harness, client, "g", _prompt(10, 6))  # a guest over a stash
+        tokens, _ = await _run(harness, client, "a2", a + [1, 2], session="a")  # a comes back
+        await _run(harness, client, "c", _prompt(120, 7), session="a")  # a compaction
+    moves = {plan.request_id: plan.moves for plan in plans}
+    assert moves["a1"].kind == "extend" and moves["a1"].restore is None  # nothing in place
+    assert moves["b1"].kind == "move" and moves["b1"].park_above == 32
+    assert moves["b1"].restore == "anchor:32"
+    assert moves["g"].kind == "guest" and moves["g"].stash_stop > 0
+    assert moves["a2"].kind == "park" and moves["a2"].park_above == 32
+    assert moves["c"].pin_head and moves["c"].kind == "move"
+    assert all(plan.keep_end == (plan.moves.kind != "guest") for plan in plans)
