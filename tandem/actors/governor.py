@@ -62,6 +62,15 @@ class GovernorObserved(Message):
     delta: GovernorDelta
 
 
+class TierHeld(Message):
+    """Sender: an actor that holds copies at memory levels (the resident, the park, the store),
+    whenever what it holds may have changed (a tell). Receiver: the governor, whose report
+    shows the latest of each owner: no one reads another owner's accountant."""
+
+    owner: str
+    levels: dict[str, int]
+
+
 class GovernorActor(Actor):
     def __init__(self, name: str = "governor", *, core: MemoryGovernor,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
@@ -70,6 +79,9 @@ class GovernorActor(Actor):
         # Written by handle alone, on the loop (GovernorObserved); read by report.
         self.stats = GovernorStats()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # What each owner last said it holds (TierHeld); None until one says: the report
+        # then reads the core's attached accountant (a core used alone).
+        self.held: dict[str, dict[str, int]] | None = None
 
     async def on_start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -94,6 +106,10 @@ class GovernorActor(Actor):
         match msg:
             case GovernorObserved(delta=delta):
                 self.stats.apply(delta)
+            case TierHeld(owner=owner, levels=levels):
+                if self.held is None:
+                    self.held = {}
+                self.held[owner] = dict(levels)
             case SetMemoryLimits():
                 current = self.core.limits.to_gib()
                 wanted = {k: v if v is not None else current[k] for k, v in (
@@ -118,4 +134,10 @@ class GovernorActor(Actor):
 
     def report(self) -> dict[str, Any]:
         """On the loop: the core's limits and readings, this actor's counters."""
-        return self.core.statistics(self.stats)
+        report = self.core.statistics(self.stats)
+        if self.held is not None:
+            levels = {level: 0 for level in report["levels"]}
+            for held in self.held.values():
+                levels.update(held)
+            report["levels"] = levels
+        return report

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from tandem.actors.governor import TierHeld
 from tandem.actors.messages import Message
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.runtime import Actor, ActorStopped
@@ -131,20 +132,40 @@ class CheckStoreInvariants(Message):
 
 
 class StoreActor(Actor):
-    def __init__(self, name: str = "store", *, core: StoreCore, **actor_options: Any) -> None:
+    def __init__(self, name: str = "store", *, core: StoreCore, governor: Actor | None = None,
+                 **actor_options: Any) -> None:
         super().__init__(name, **actor_options)
         self.core = core
+        self.governor = governor  # told what the store holds whenever it changed (TierHeld)
+        self._told: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def on_start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._report_held()
+
+    def _report_held(self) -> None:
+        held = self.core.memory.held["store"]
+        if self.governor is None or held == self._told:
+            return
+        try:
+            self.governor.try_tell(TierHeld(self.name, {"store": held}), sender=self)
+            self._told = held
+        except (MailboxFull, ActorStopped):
+            log.warning("tier_held_dropped", tier=self.name)
+
+    async def handle(self, msg: Message) -> object | None:
+        try:
+            return self._handle(msg)
+        finally:
+            self._report_held()
 
     def port(self, timeout_s: float = ASK_TIMEOUT_S) -> "StoreActorPort":
         """The engine thread's way to this actor (after it started)."""
         assert self._loop is not None, "the store actor has not started"
         return StoreActorPort(self, self._loop, timeout_s)
 
-    async def handle(self, msg: Message) -> object | None:
+    def _handle(self, msg: Message) -> object | None:
         core = self.core
         match msg:
             case StoreOffer():

@@ -18,7 +18,9 @@ from typing import Any
 import structlog
 
 from tandem.actors.messages import Message
-from tandem.actors.runtime import Actor
+from tandem.actors.governor import TierHeld
+from tandem.actors.mailbox import MailboxFull
+from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, GetTierStats,
                                          OfferTiers, ParkOffered, ResidentOffered, TierStats)
 from tandem.cache.namespace import Namespace
@@ -33,9 +35,11 @@ class TierLendingError(RuntimeError):
 
 
 class _Lender(Actor):
-    def __init__(self, name: str, holdings: Any, **actor_options: Any) -> None:
+    def __init__(self, name: str, holdings: Any, governor: Actor | None = None,
+                 **actor_options: Any) -> None:
         super().__init__(name, **actor_options)
         self.holdings = holdings
+        self.governor = governor  # told what the holdings hold (TierHeld)
         self.lent_to: str | None = None
         self.lent_total = 0
         self.anchors_written = 0
@@ -54,6 +58,18 @@ class _Lender(Actor):
         self.lent_to = None
         self._check(msg.rows)
         self._stats = self._statistics()
+        self._report_held()
+
+    async def on_start(self) -> None:
+        self._report_held()
+
+    def _report_held(self) -> None:
+        if self.governor is None:
+            return
+        try:
+            self.governor.try_tell(TierHeld(self.name, self._stats["held_bytes"]), sender=self)
+        except (MailboxFull, ActorStopped):
+            log.warning("tier_held_dropped", tier=self.name)
 
     async def handle(self, msg: Message) -> object | None:
         match msg:
@@ -85,8 +101,8 @@ class ResidentActor(_Lender):
     holdings: ResidentHoldings
 
     def __init__(self, name: str = "resident", *, holdings: ResidentHoldings,
-                 **actor_options: Any) -> None:
-        super().__init__(name, holdings, **actor_options)
+                 governor: Actor | None = None, **actor_options: Any) -> None:
+        super().__init__(name, holdings, governor, **actor_options)
 
     def _offer(self, msg: OfferTiers) -> ResidentOffered:
         offer = resident_offer(self.holdings, msg.prompt_ids, Namespace(msg.namespace),
@@ -107,8 +123,8 @@ class ParkActor(_Lender):
     holdings: ParkHoldings
 
     def __init__(self, name: str = "park", *, holdings: ParkHoldings,
-                 **actor_options: Any) -> None:
-        super().__init__(name, holdings, **actor_options)
+                 governor: Actor | None = None, **actor_options: Any) -> None:
+        super().__init__(name, holdings, governor, **actor_options)
 
     def _offer(self, msg: OfferTiers) -> ParkOffered:
         offer = park_offer(self.holdings, msg.prompt_ids, Namespace(msg.namespace), msg.rows,

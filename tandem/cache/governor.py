@@ -383,8 +383,9 @@ class MemoryGovernor:
         for level in levels:
             if fits(held):
                 break
-            if level not in (self.shedders if sheddable is None else sheddable) \
-                    or not self.memory or self.memory.held.get(level, 0) == 0:
+            # A level holding nothing frees nothing: its shedder answers 0 (asking it costs
+            # no more than reading a count another owner writes).
+            if level not in (self.shedders if sheddable is None else sheddable):
                 continue
             freed = yield level, max(need, 1)
             if freed:

@@ -14,6 +14,9 @@ from typing import Callable
 
 # Cheapest first: the order in which a governor sheds them.
 LEVELS = ("store", "prompt_end", "anchors", "end", "stash", "park", "pin")
+# Who holds each: the resident actor, the park actor, the store actor (one accountant each).
+RESIDENT_LEVELS = ("prompt_end", "anchors", "end", "stash")
+PARK_LEVELS = ("park", "pin")
 
 
 @dataclass
@@ -52,6 +55,58 @@ class MemoryAccountant:
             raise AssertionError(f"release of {nbytes} bytes at {level} holding {self.held[level]}")
         self.held[level] -= nbytes
 
+    def part(self, levels: tuple[str, ...]) -> "MemoryAccountant":
+        """An accountant of its own for ``levels``, with their budgets: one owner's."""
+        return MemoryAccountant({level: self.budgets[level] for level in levels
+                                 if level in self.budgets})
+
+    def holding(self) -> dict[str, int]:
+        """The bytes held at each level this accountant has a budget for."""
+        return {level: self.held[level] for level in self.budgets}
+
     def check_invariants(self) -> None:
         for level, nbytes in self.held.items():
             assert 0 <= nbytes <= self.budgets.get(level, 0), (level, nbytes)
+
+
+class Accounts:
+    """Several owners' accountants seen as one: each level's reserve, release and room go to
+    the accountant whose budgets hold it (the resident's, the park's). ``held`` and
+    ``budgets`` are read-only views made at each access; ``gate`` is set on every one."""
+
+    def __init__(self, *accountants: MemoryAccountant) -> None:
+        self.accountants = accountants
+        self._by_level = {level: a for a in accountants for level in a.budgets}
+
+    def _of(self, level: str) -> MemoryAccountant:
+        return self._by_level.get(level, self.accountants[0])
+
+    @property
+    def held(self) -> dict[str, int]:
+        return {level: a.held[level] for level, a in self._by_level.items()}
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        return {level: a.budgets[level] for level, a in self._by_level.items()}
+
+    @property
+    def gate(self) -> Callable[[str, int], bool] | None:
+        return self.accountants[0].gate
+
+    @gate.setter
+    def gate(self, gate: Callable[[str, int], bool] | None) -> None:
+        for a in self.accountants:
+            a.gate = gate
+
+    def room(self, level: str) -> int:
+        return self._of(level).room(level)
+
+    def reserve(self, level: str, nbytes: int) -> bool:
+        return self._of(level).reserve(level, nbytes)
+
+    def release(self, level: str, nbytes: int) -> None:
+        self._of(level).release(level, nbytes)
+
+    def check_invariants(self) -> None:
+        for a in self.accountants:
+            a.check_invariants()

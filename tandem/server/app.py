@@ -23,7 +23,8 @@ from tandem.actors.store import GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
 from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
-from tandem.cache.memory import MemoryAccountant
+from tandem.cache.memory import PARK_LEVELS, RESIDENT_LEVELS, Accounts, MemoryAccountant
+from tandem.cache.endrecords import EndRecords
 from tandem.cache.resident import ResidentPrefix, make_holdings
 from tandem.cache.response import ResponseCache
 from tandem.cache.store import StateStore, StoreCore
@@ -65,7 +66,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     """
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
-    governor = None
+    governor = governor_actor = None
     suffix = store = tiers = None
     spec = config.speculation
     if engine is None:
@@ -76,17 +77,33 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
                 tokenizer_sha256=loaded.tokenizer.sha256, cap_mb=spec.suffix_store_mb,
                 scope=spec.suffix_store_scope, readonly=spec.suffix_store_readonly))
         governor = make_governor(config, loaded.model)
+        governor_actor = GovernorActor("governor", core=governor)
         caches = config.cache.caches
         memory = make_memory(config, loaded.model) if caches else None
+        # One accountant an owner: the resident's levels, the park's, the store's; each tells
+        # the governor what it holds.
         if caches and config.cache.store:
+            store_memory = memory.part(("store",))
+            store_memory.gate = governor.admit
             store = StoreActor("store", core=StoreCore(
-                memory, entry_nbytes=int(config.cache.store_entry_gb * GiB)))
+                store_memory, entry_nbytes=int(config.cache.store_entry_gb * GiB)),
+                governor=governor_actor)
         if caches:
             c = config.cache
-            held, parked = make_holdings(memory, e.prefix_chunk, guest_max=c.resident_guest_max,
+            resident_memory, park_memory = memory.part(RESIDENT_LEVELS), memory.part(PARK_LEVELS)
+            memory = Accounts(resident_memory, park_memory)  # the composer's view of both
+            held, parked = make_holdings(resident_memory, e.prefix_chunk,
+                                         guest_max=c.resident_guest_max,
                                          end_anchor=c.end_anchor,
-                                         prompt_end_anchor=c.prompt_end_anchor)
-            tiers = (ResidentActor("resident", holdings=held), ParkActor("park", holdings=parked))
+                                         prompt_end_anchor=c.prompt_end_anchor,
+                                         park_memory=park_memory)
+            if c.end_align:
+                # The end records are the resident's, beside the ends they describe.
+                held.records = EndRecords(None, loaded.tokenizer.token_bytes,
+                                          allow_reasoning=c.end_align_reasoning,
+                                          store_backed=store is not None)
+            tiers = (ResidentActor("resident", holdings=held, governor=governor_actor),
+                     ParkActor("park", holdings=parked, governor=governor_actor))
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
             num_threads=e.num_threads),
@@ -106,9 +123,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     for tier in tiers or ():
         supervisor.add(tier)  # before the engine, which asks them from its first request
     supervisor.add(engine)
-    governor_actor = None
     if governor is not None:
-        governor_actor = supervisor.add(GovernorActor("governor", core=governor))
+        supervisor.add(governor_actor)
     journal = Journal(config.journal_path())
     metrics = Metrics()
     path = getattr(loaded, "path", None)

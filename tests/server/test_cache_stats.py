@@ -101,3 +101,29 @@ async def test_the_engine_thread_asks_nothing_of_the_store_the_loop_asks_for_the
     handled = store.statistics().handled_by_type
     assert handled["StoreOffer"] == 2 and handled["StoreAdmit"] >= 3  # a prefix line, 2 puts
     assert handled["StoreInsert"] >= 2 and handled["StoreRelease"] >= 1
+
+
+async def test_each_owner_keeps_its_own_accounts_and_tells_the_governor_what_it_holds(
+        small_loaded, make_config, serve, sdk):
+    """Issue 12, part 4: the resident, the park and the store each keep an accountant of their
+    own (none is written by another owner's thread), and /v1/memory's levels are what each
+    told the governor it holds (TierHeld), equal to its own accounts once a request is done.
+    The end records are the resident's too, in its holdings."""
+    app = build_app(make_config(), small_loaded)
+    actors = app[SUPERVISOR].actors
+    resident, park, store = actors["resident"], actors["park"], actors["store"]
+    accounts = {id(resident.holdings.anchors.memory), id(park.holdings.park.memory),
+                id(store.core.memory)}
+    assert len(accounts) == 3
+    assert resident.holdings.records is not None
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        await sdk(server).chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "a b c"}], max_tokens=2,
+            extra_body={"conversation_id": "c1"})
+        async with http.get(f"http://127.0.0.1:{server.port}/v1/memory") as resp:
+            levels = (await resp.json())["levels"]
+    told = actors["governor"].held
+    assert set(told) == {"resident", "park", "store"}
+    own = {**resident.holdings.anchors.memory.holding(), **park.holdings.park.memory.holding(),
+           **store.core.memory.holding()}
+    assert levels == own and levels["end"] > 0 and levels["store"] > 0
