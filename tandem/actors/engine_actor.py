@@ -558,9 +558,10 @@ class EngineActor(Actor):
 
     async def _prepare(self, job: _Job) -> None:
         """On the loop: ask each tier for its offer (each lends its holdings with it), align
-        the client's copy with the ends, ask the store for a longer entry (lent) and admit the
-        prefix lines the prefill will snapshot, then build the job's PrefillPlan and hand it to
-        the engine thread, which asks nobody during the prefill. A tier that cannot answer
+        the client's copy with the ends, have the governor admit the workspace, ask the store
+        for a longer entry (lent) and admit the prefix lines the prefill will snapshot, decide
+        the resident's moves, then build the job's PrefillPlan and hand it to the engine
+        thread, which asks nobody. A refusal (no room: a 503) or a tier that cannot answer
         fails the job; whatever was lent or reserved goes back."""
         resident, park = self._tiers
         lent: dict[str, Any] = {}
@@ -622,8 +623,7 @@ class EngineActor(Actor):
             # Room for the prefill's workspace before anything moves: cheaper caches are shed
             # (the tiers' on the lent holdings, the store's by asking it), or the request is
             # refused (MemoryRefused: a 503). The offers are made again over what is left.
-            shed = await self._admit(job, len(served))
-            workspace, changed = shed
+            workspace, changed = await self._admit(job, len(served))
             if changed:
                 mine = resident_offer(r.holdings, served, namespace, self._rows)
                 theirs = (ParkOffer(0, 0) if mine.decisive else

@@ -21,6 +21,7 @@ from tandem.actors.engine_messages import Drain, EngineDrained
 from tandem.actors.governor import GetMemoryReport, GovernorActor
 from tandem.actors.store import GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
+from tandem.actors.tier_messages import GetTierStats
 from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import PARK_LEVELS, RESIDENT_LEVELS, Accounts, MemoryAccountant
@@ -155,7 +156,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
     app[CONFIG] = config
     app[MODEL_NAME] = loaded.name
     app[SUFFIX] = suffix
-    app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix)
+    app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix, tuple(tiers or ()))
     if governor_actor is not None:
         app[MEMORY] = partial(_memory_report, governor_actor)
     app.cleanup_ctx.append(_system)
@@ -219,7 +220,7 @@ async def _ask(actor: Actor, msg, what: str):
 
 
 async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
-                       suffix: SuffixActor | None) -> dict:
+                       suffix: SuffixActor | None, tiers: tuple[Actor, ...] = ()) -> dict:
     # The resident's counters as the engine actor published them on the loop after the last
     # generation (never a tier's live state, which is the engine thread's).
     doc = getattr(engine, "cache_stats", {"tiers": {}})
@@ -233,6 +234,14 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["suffix"] = suffix.report()
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
+    if tiers:
+        # Each tier actor's own account of what it holds, asked of it (as of the last
+        # generation while its holdings are lent: ``lent_to`` names the request).
+        owners = {}
+        for tier in tiers:
+            report = await _ask(tier, GetTierStats(), tier.name)
+            owners[tier.name] = {**report.stats, "lent_to": report.lent_to}
+        doc = {**doc, "owners": owners}
     return doc
 
 

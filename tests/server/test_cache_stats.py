@@ -62,6 +62,11 @@ async def test_the_actors_document_lists_the_resident_and_the_park_with_their_ma
             model="small", messages=[{"role": "user", "content": "a b c"}], max_tokens=2)
         async with http.get(f"http://127.0.0.1:{server.port}/v1/actors") as resp:
             doc = await resp.json()
+        async with http.get(f"http://127.0.0.1:{server.port}/v1/cache/stats") as resp:
+            owners = (await resp.json())["owners"]
+    # Each tier's own account, asked of it: the holdings are back, one generation lent.
+    assert owners["resident"]["lent_to"] is None and owners["resident"]["lent_total"] == 1
+    assert owners["park"]["lent_to"] is None and owners["park"]["parked"] is None
     actors = {a["name"]: a for a in doc["actors"]}
     for name in ("resident", "park"):
         assert actors[name]["state"] == "running"
