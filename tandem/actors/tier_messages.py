@@ -6,7 +6,7 @@ fences of open write jobs, and what the engine thread tells the tiers (spec: "A 
     engine thread --AnchorWritten--> resident         (tells, as the prefill passes grid lines)
     engine actor --GenerationEnded--> resident, park  (tells; the holdings come back)
 
-Ownership: a tier's holdings (its copies and their bookkeeping, tandem/cache/resident.py) are
+Ownership: a tier's holdings (its copies and their bookkeeping, tandem/cache/holdings.py) are
 lent to the engine from the offer until `GenerationEnded`; meanwhile the tier neither reads nor
 evicts them, and answers statistics from what it last saw.
 """
@@ -19,7 +19,7 @@ import msgspec
 
 from tandem.actors.messages import Message
 from tandem.cache.namespace import SHARED
-from tandem.cache.resident import Moves
+from tandem.cache.holdings import Moves
 from tandem.cache.vocabulary import Source
 
 

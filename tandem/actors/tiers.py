@@ -1,6 +1,6 @@
 """The resident prefix and the park as actors (spec: "Resident prefix", "Another session").
 
-Each owns its holdings (tandem/cache/resident.py): the resident the grid anchors, the ends and
+Each owns its holdings (tandem/cache/holdings.py): the resident the grid anchors, the ends and
 the stash, and whose the rows in place are; the park the pinned head and the parked session.
 When a job gets the engine, each answers the engine actor's `OfferTiers` with its offer,
 computed over its own copies, and lends the holdings for that generation; `GenerationEnded`
@@ -24,8 +24,8 @@ from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, GetTierStats,
                                          OfferTiers, ParkOffered, ResidentOffered, TierStats)
 from tandem.cache.namespace import Namespace
-from tandem.cache.resident import (ParkHoldings, ResidentHoldings, park_offer, resident_offer,
-                                   resident_statistics, park_statistics)
+from tandem.cache.holdings import (ParkHoldings, ResidentHoldings, park_offer, park_statistics,
+                                   resident_offer, resident_statistics)
 
 log = structlog.get_logger("tandem.tiers")
 
