@@ -193,3 +193,19 @@ def test_an_fp8_weight_without_its_scale_is_refused(tmp_path, fp8_dirs):
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ModelError, match=f"has no '{name}'"):
         HybridModel.load(d)
+
+
+def test_a_scale_in_another_shard_than_its_weight_is_found(tmp_path, fp8_dirs):
+    _, fp8, _ = fp8_dirs
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    scales = {n: t for n, t in tensors.items() if n.endswith("weight_scale_inv")}
+    rest = {n: t for n, t in tensors.items() if n not in scales}
+    # The scales' shard sorts first: each is met before its weight, and in another file.
+    save_file(scales, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(rest, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in scales}
+    weight_map.update({n: "model-00002-of-00002.safetensors" for n in rest})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shutil.copy(fp8 / "config.json", tmp_path / "config.json")
+    for g, w in zip(_logits(HybridModel.load(tmp_path)), _logits(HybridModel.load(fp8))):
+        assert torch.equal(g, w)
