@@ -42,22 +42,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_tensors(model_dir: Path, prefixes: tuple[str, ...] = ("",)) -> dict[str, torch.Tensor]:
-    """Every tensor whose name starts with one of ``prefixes``, the prefix stripped."""
-    out: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    for prefix in prefixes:
-                        if name.startswith(prefix):
-                            out[name[len(prefix):]] = f.get_tensor(name)
-                            break
-        except Exception as exc:  # safetensors raises its own types for a bad header
-            raise ModelError(f"cannot read {path.name}: {exc}") from exc
-    return out
-
-
 @dataclass(frozen=True)
 class ReadReport:
     """What ``read_weights`` did, for the load's log event."""

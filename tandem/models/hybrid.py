@@ -215,9 +215,10 @@ class HybridModel:
         weights, report = checkpoint.read_weights(
             model_dir, lambda name: _model_name(name, config), dtype, fp8)
         model = cls(config, weights, dtype=dtype, source=model_dir)
-        del weights
+        del weights  # fused expert tensors the model split into its own copies
         held = {t.data_ptr(): t for t in model.w.values()}.values()  # tied: one tensor
-        log.info("model_loaded", model_type=config.model_type, dtype=str(dtype).split(".")[-1],
+        log.info("checkpoint_loaded", model_type=config.model_type,
+                 dtype=str(dtype).removeprefix("torch."),
                  parameters=sum(t.numel() for t in held),
                  nbytes=sum(t.numel() * t.element_size() for t in held),
                  files=report.files, tensors=report.tensors, skipped_tensors=report.skipped,

@@ -114,7 +114,7 @@ def test_the_load_says_in_one_event_what_the_model_holds(sharded_bf16):
     d, tensors = sharded_bf16
     with structlog.testing.capture_logs() as logs:
         HybridModel.load(d, dtype=torch.float32)
-    events = [e for e in logs if e["event"] == "model_loaded"]
+    events = [e for e in logs if e["event"] == "checkpoint_loaded"]
     assert len(events) == 1
     e = events[0]
     n = sum(t.numel() for t in tensors.values())
