@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 
+from tandem.models import quant
 from tandem.models.base import ModelError
 
 
@@ -39,20 +42,85 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_tensors(model_dir: Path, prefixes: tuple[str, ...] = ("",)) -> dict[str, torch.Tensor]:
-    """Every tensor whose name starts with one of ``prefixes``, the prefix stripped."""
+@dataclass(frozen=True)
+class ReadReport:
+    """What ``read_weights`` did, for the load's log event."""
+
+    files: int
+    tensors: int  # read, converted and kept
+    skipped: int  # in the files but not the model's (``mtp.*``, ``model.visual.*``, ...)
+    dequantized: int  # of ``tensors``, FP8 blocks turned into the compute dtype
+
+
+def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: torch.dtype,
+                 fp8: quant.Fp8Blocks | None) -> tuple[dict[str, torch.Tensor], ReadReport]:
+    """The tensors ``rename`` keeps (under the names it gives), each in ``dtype``.
+
+    One tensor at a time, a file at a time: a tensor is a lazy view of the file's mapping, read
+    and converted (dequantized where FP8, cast) before the next is touched, and the raw view is
+    dropped then, so what load holds at any moment is the converted model so far plus one
+    tensor (two for an FP8 weight and its scale), never the checkpoint whole in another dtype.
+    A tensor already in ``dtype`` is kept as the view itself: file-backed pages, no copy.
+    """
+    files = weight_files(model_dir)
+    where: dict[str, Path] = {}
+    for path in files:
+        with _open(path) as f:
+            for name in f.keys():
+                where[name] = path
     out: dict[str, torch.Tensor] = {}
-    for path in weight_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    for prefix in prefixes:
-                        if name.startswith(prefix):
-                            out[name[len(prefix):]] = f.get_tensor(name)
-                            break
-        except Exception as exc:  # safetensors raises its own types for a bad header
-            raise ModelError(f"cannot read {path.name}: {exc}") from exc
-    return out
+    skipped = dequantized = 0
+    for path in files:
+        with _open(path) as f:
+            for name in f.keys():
+                if quant.is_scale(name):
+                    continue  # read beside its weight
+                target = rename(name)
+                if target is None:
+                    skipped += 1
+                    continue
+                t = _read(f, path, name)
+                if t.dtype in quant.FP8_DTYPES:
+                    if fp8 is None:
+                        raise ModelError(f"tensor {name!r} is stored as {t.dtype} but config.json "
+                                         f"has no quantization_config to say how to scale it")
+                    scale = _scale(f, path, where, name)
+                    t = quant.dequantize(t, scale, fp8, name)
+                    dequantized += 1
+                    del scale
+                elif quant.scale_name(name) in where:
+                    raise ModelError(f"tensor {name!r} is {t.dtype} but has a "
+                                     f"{quant.scale_name(name)!r} beside it; a scaled weight "
+                                     f"must be stored as FP8")
+                out[target] = t.to(dtype)
+                del t
+    return out, ReadReport(files=len(files), tensors=len(out), skipped=skipped,
+                           dequantized=dequantized)
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own types for a bad header
+        raise ModelError(f"cannot read {path.name}: {exc}") from exc
+
+
+def _read(f, path: Path, name: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as exc:
+        raise ModelError(f"cannot read tensor {name!r} from {path.name}: {exc}") from exc
+
+
+def _scale(f, path: Path, where: dict[str, Path], name: str) -> torch.Tensor:
+    sname = quant.scale_name(name)
+    home = where.get(sname)
+    if home is None:
+        raise ModelError(f"FP8 tensor {name!r} has no {sname!r} in the checkpoint")
+    if home == path:
+        return _read(f, path, sname)
+    with _open(home) as g:  # a shard boundary fell between the weight and its scale
+        return _read(g, home, sname)
 
 
 def weights_digest(model_dir: Path) -> str:

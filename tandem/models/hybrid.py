@@ -13,15 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.models import checkpoint
+from tandem.models import checkpoint, fields, quant, rope
 from tandem.models.base import Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class HybridConfig:
     decoder_sparse_step: int = 1
     norm_topk_prob: bool = True
     mlp_only_layers: tuple[int, ...] = ()
+    # rope_parameters beyond theta and the partial factor (tandem.models.rope)
+    rope_type: str = "default"
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    attention_bias: bool = False  # q/k/v/o_proj biases
 
     @classmethod
     def from_dict(cls, raw: dict) -> "HybridConfig":
@@ -72,7 +79,9 @@ class HybridConfig:
             if len(layer_types) < num_layers or any(
                     t not in ("linear_attention", "full_attention") for t in layer_types):
                 raise ModelError(f"layer_types {layer_types!r} do not describe {num_layers} layers")
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            fields.check_arithmetic(cfg)
+            rope_type, rope_scaling = rope.read_rope(cfg)
+            rope_params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
             heads = int(cfg["num_attention_heads"])
             out = cls(
                 model_type=model_type,
@@ -83,9 +92,11 @@ class HybridConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(cfg["num_key_value_heads"]),
                 head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                partial_rotary_factor=float(rope.get("partial_rotary_factor",
-                                                     cfg.get("partial_rotary_factor", 1.0))),
+                rope_theta=float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                # 0.25 when absent, as transformers' Qwen3.5 / Qwen3-Next configs default it.
+                partial_rotary_factor=float(rope_params.get("partial_rotary_factor",
+                                                            cfg.get("partial_rotary_factor",
+                                                                    0.25))),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
                 linear_key_head_dim=int(cfg["linear_key_head_dim"]),
@@ -103,6 +114,9 @@ class HybridConfig:
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                 mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+                rope_type=rope_type,
+                rope_scaling=rope_scaling,
+                attention_bias=bool(cfg.get("attention_bias", False)),
             )
         except KeyError as exc:
             raise ModelError(f"config.json lacks {exc.args[0]!r}") from exc
@@ -129,6 +143,18 @@ class HybridConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+
+def _model_name(name: str, config: HybridConfig) -> str | None:
+    """A checkpoint tensor's name in the model, or None for one it does not use: the MTP head
+    (``mtp.*``), a VL checkpoint's vision tower, a tied checkpoint's stray lm_head."""
+    if name == "lm_head.weight":
+        return None if config.tie_word_embeddings else name
+    for prefix in ("model.language_model.", "model."):  # Qwen3.5 VL nests the language model
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return None if rest.startswith(("visual.", "mtp.")) else rest
+    return None
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -174,21 +200,31 @@ class HybridModel:
         self._slot = {i: n for n, i in enumerate(self.gdn_layers)}
         self._slot.update({i: n for n, i in enumerate(self.attn_layers)})
         self.w = self._check_and_cast(weights)
-        inv = torch.arange(0, config.rotary_dim, 2, dtype=torch.float32) / config.rotary_dim
-        self.inv_freq = 1.0 / (config.rope_theta ** inv)
+        self.inv_freq, self.rope_scale = rope.inv_freq(config.rope_type, config.rope_scaling,
+                                                       config.rope_theta, config.rotary_dim)
 
     # -- loading ---------------------------------------------------------------------------
 
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype | None = None) -> "HybridModel":
         model_dir = Path(model_dir)
-        config = HybridConfig.from_dict(checkpoint.read_config(model_dir))
-        # Real Qwen3.5 checkpoints name the language model model.language_model.*
-        weights = checkpoint.load_tensors(model_dir, prefixes=("model.language_model.", "model.",
-                                                               "lm_head."))
-        if "weight" in weights:  # "lm_head.weight" with its prefix stripped
-            weights["lm_head.weight"] = weights.pop("weight")
-        return cls(config, weights, dtype=dtype, source=model_dir)
+        raw = checkpoint.read_config(model_dir)
+        config = HybridConfig.from_dict(raw)
+        fp8 = quant.read_quantization(raw)
+        dtype = dtype or _dtype(config.dtype)
+        weights, report = checkpoint.read_weights(
+            model_dir, lambda name: _model_name(name, config), dtype, fp8)
+        model = cls(config, weights, dtype=dtype, source=model_dir)
+        del weights  # fused expert tensors the model split into its own copies
+        held = {t.data_ptr(): t for t in model.w.values()}.values()  # tied: one tensor
+        log.info("checkpoint_loaded", model_type=config.model_type,
+                 dtype=str(dtype).removeprefix("torch."),
+                 parameters=sum(t.numel() for t in held),
+                 nbytes=sum(t.numel() * t.element_size() for t in held),
+                 files=report.files, tensors=report.tensors, skipped_tensors=report.skipped,
+                 quantization=fp8.describe() if fp8 else "none",
+                 dequantized_tensors=report.dequantized)
+        return model
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
         c = self.config
@@ -226,6 +262,9 @@ class HybridModel:
                 shapes[a + "o_proj.weight"] = (h, c.num_attention_heads * c.head_dim)
                 shapes[a + "q_norm.weight"] = (c.head_dim,)
                 shapes[a + "k_norm.weight"] = (c.head_dim,)
+                if c.attention_bias:
+                    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                        shapes[f"{a}{proj}.bias"] = shapes[f"{a}{proj}.weight"][:1]
             m = p + "mlp."
             if c.is_moe_layer(i):
                 shapes[m + "gate.weight"] = (c.num_experts, h)
@@ -318,7 +357,10 @@ class HybridModel:
         pos = torch.arange(start, start + num_tokens, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_scale != 1.0:  # YaRN's attention factor, on cos and sin as transformers
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
@@ -445,13 +487,13 @@ class HybridModel:
         slot = self._slot[i]
         n, hd = h.shape[0], c.head_dim
         nh, nkv = c.num_attention_heads, c.num_key_value_heads
-        qg = F.linear(h, w[p + "q_proj.weight"]).view(n, nh, 2 * hd)
+        qg = F.linear(h, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(n, nh, 2 * hd)
         q, gate = torch.chunk(qg, 2, dim=-1)
         gate = gate.reshape(n, nh * hd)
         q = rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps)
-        k = rms_norm(F.linear(h, w[p + "k_proj.weight"]).view(n, nkv, hd),
-                     w[p + "k_norm.weight"], c.rms_norm_eps)
-        v = F.linear(h, w[p + "v_proj.weight"]).view(n, nkv, hd)
+        k = rms_norm(F.linear(h, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))
+                     .view(n, nkv, hd), w[p + "k_norm.weight"], c.rms_norm_eps)
+        v = F.linear(h, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(n, nkv, hd)
         rd = c.rotary_dim
         cs, sn = cos[:, None, :], sin[:, None, :]
         q = torch.cat([q[..., :rd] * cs + rotate_half(q[..., :rd]) * sn, q[..., rd:]], dim=-1)
@@ -470,4 +512,4 @@ class HybridModel:
                                              attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
         out = out[0].transpose(0, 1).reshape(n, nh * hd)
         out = out * torch.sigmoid(gate)
-        return F.linear(out, w[p + "o_proj.weight"])
+        return F.linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
