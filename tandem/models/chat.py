@@ -21,11 +21,23 @@ any text, as Qwen's tokenizer reads them (a model's own tags come back that way)
 past ``MAX_JSON_DEPTH`` (100) levels, in tools or call arguments, is a ChatError.
 
 Parsing: the prompt ends with ``<think>\\n`` when thinking is on, so a generation is
-``REASONING</think>\\n\\nCONTENT``; ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
-</tool_call>`` blocks in the content become tool calls (a block that is not such JSON stays in
-the content, verbatim). Reasoning and content are stripped of surrounding whitespace, as the
-template strips them when it renders them back. :class:`StreamParser` gives the same result
-incrementally, never leaking a partial ``</think>`` or ``<tool_call>`` tag.
+``REASONING</think>\\n\\nCONTENT``; a ``<tool_call>`` written before any ``</think>`` ends the
+reasoning too (Qwen3.5 calls from inside an unclosed think block). ``<tool_call>`` blocks in the
+content become tool calls, in either form: the JSON one (``<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>``, tandem's and Qwen3's templates teach it) and the XML one
+(``<function=NAME>`` with ``<parameter=KEY>`` blocks, tandem.models.toolcalls, the Qwen3.5 /
+Qwen3.6 templates teach it), its values typed by the request's tool schemas. A block that is
+neither stays in the content, verbatim. Reasoning and content are stripped of surrounding
+whitespace, as the template strips them when it renders them back. :class:`StreamParser` gives
+the same result incrementally, never leaking a partial tag, and sends an XML call's name as
+soon as it is read and its arguments as they come.
+
+Templates: a checkpoint's own (``tokenizer_config.json``'s ``chat_template`` or a
+``chat_template.jinja`` beside it) renders its prompts, with the flags the request gives
+(``chat_template_kwargs``: ``enable_thinking``, ``preserve_thinking``) and its own defaults for
+the rest; tandem's renders for ``tiny`` and for checkpoints that ship none
+(:func:`template_info`, :func:`tool_format_of`). Whether the generation starts in its reasoning
+is read from the rendered prompt (:attr:`ChatPrompt.thinking`).
 """
 
 from __future__ import annotations

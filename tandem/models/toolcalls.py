@@ -268,3 +268,56 @@ class XmlCall:
         if final:
             value = convert_value("".join(self._value), self._props.get(self._key))
             out.append(json.dumps(value, ensure_ascii=False))
+
+
+_PYTHON_WORDS = {"True": True, "False": False, "None": None}
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value with every integral float an int (``5.0`` and ``5`` are one value)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _loose(text: str) -> Any:
+    """An XML value read without a schema, so that the model's spelling and the template's
+    spelling of one value read the same: JSON, or Python's ``True``/``False``/``None``, else
+    the text."""
+    from tandem.models.chat import json_text_deeper
+
+    word = text.strip()
+    if word in _PYTHON_WORDS:
+        return _PYTHON_WORDS[word]
+    if json_text_deeper(word, 100):
+        return text
+    try:
+        return _plain(json.loads(word))
+    except ValueError:
+        return text
+
+
+def call_value(body: str) -> list[Any] | None:
+    """``[name, arguments]`` of a tool call's body (the text between ``<tool_call>`` and
+    ``</tool_call>``) in either form, read without the tools' schemas: what a call is, for
+    comparing the rows' call with a client's copy rendered again by the template. None when
+    the body is neither form."""
+    from tandem.models.chat import parse_tool_call
+
+    header = read_header(body)
+    if isinstance(header, tuple):
+        name, used = header
+        call = XmlCall(None)  # no schema: every value is its text
+        arguments = "".join(call.feed(body[used:]))
+        if not call.done:
+            return None
+        return [name, {k: _loose(v) for k, v in json.loads(arguments).items()}]
+    parsed = parse_tool_call(body, lambda: "")
+    if parsed is None:
+        return None
+    fn = parsed["function"]
+    return [fn["name"], _plain(json.loads(fn["arguments"]))]
