@@ -258,6 +258,8 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     _check_room(req.limit, "max_completion_tokens" if req.max_completion_tokens is not None
                 else "max_tokens", len(prompt_ids), window, "messages")
     params = _params(req, state, req.limit, window - len(prompt_ids) + 1)
+    if not thinking:  # no reasoning to budget: a forced </think> would land in the answer
+        params = msgspec.structs.replace(params, max_reasoning_tokens=0)
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
     return req, prompt_ids, params, stops, {"thinking": thinking, "tools": req.tools}

@@ -210,3 +210,18 @@ async def test_an_opencode_turn_after_an_xml_call_resumes_at_the_end_anchor(serv
         assert cache["reread"] < 60, cache
         msg = resp.choices[0].message
         assert json.loads(msg.tool_calls[0].function.arguments)["force"] is False
+
+
+async def test_the_reasoning_budget_leaves_an_answer_that_does_not_think_alone(
+        xml_loaded, make_config, serve, sdk):
+    """Qwen3.5's template does not think unless asked: there is no reasoning to budget, and a
+    budget's </think> forced into the answer would change it (greedy: the same tokens)."""
+    answers = []
+    for budget in (0, 3):
+        app = build_app(make_config(max_reasoning_tokens=budget), xml_loaded)
+        async with serve(app) as server:
+            resp = await sdk(server).chat.completions.create(
+                model="small35", messages=_user(), max_tokens=12, temperature=0)
+        assert resp.choices[0].message.model_extra["reasoning_content"] is None
+        answers.append(resp.choices[0].message.content)
+    assert answers[1] == answers[0] and "</think>" not in answers[1]
