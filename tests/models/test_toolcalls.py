@@ -256,3 +256,18 @@ def test_an_xml_answer_sent_back_as_openai_json_renders_as_the_model_wrote_it():
     again = render_chat(messages + [message], tools=TOOLS, template=QWEN36,
                         add_generation_prompt=False)
     assert again == prompt + generated + "<|im_end|>\n"
+
+
+def test_a_chat_template_file_beside_the_tokenizer_is_the_checkpoints(tmp_path):
+    """Newer checkpoints ship the template as chat_template.jinja, not in tokenizer_config."""
+    from tandem.models.tokenizer import load_tokenizer, write_qwen_tokenizer
+
+    write_qwen_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text(QWEN35)
+    tok = load_tokenizer(tmp_path)
+    assert tok.chat_template == QWEN35
+    assert (template_info(tok.chat_template).source,
+            template_info(tok.chat_template).tool_format) == ("checkpoint", "xml")
