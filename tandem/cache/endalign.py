@@ -20,10 +20,21 @@ the tokenizer encodes again, so the copy parts from the rows inside the answer:
 ``glue``
     the non-whitespace bytes of the rows, the hidden spans left out, are the start of the
     prompt's non-whitespace bytes, and that match ends at a prompt token boundary.
+``calls``
+    the glue, with every tool call (``<tool_call>`` ... ``</tool_call>``, in either form) compared
+    by its parsed value (:func:`tandem.models.toolcalls.call_value`) rather than its bytes: a
+    Qwen3.5 template renders a call the model wrote as ``<parameter=force>\\ntrue`` back as
+    ``True`` (Python's spelling of the client's JSON ``true``), a number ``5.0`` as ``5``, a
+    JSON escape as its character; the rows' call and the copy's are the same call.
 ``reasoning``
     the same, with the reasoning of a generation region (rows ``[start, think_close)``) left out
     where the copy does not hold it; the ``<think>`` and ``</think>`` tags are special tokens whose
     bytes are their text and must still match, as must every other non-whitespace byte.
+
+A generation that called a tool from inside its unclosed reasoning (Qwen3.5 does) has no
+``</think>`` in the rows, and the template writes one before the call when it renders the answer
+back: the region's ``think_close`` is then its ``<tool_call>`` row (``closed_by_call``), before
+which the rows read as holding ``</think>``.
 
 When the copy aligns, the engine is served the rows' own tokens up to the end anchor (the
 context it had, hidden tokens and reasoning included) followed by the prompt's tokens after the
@@ -36,12 +47,14 @@ in tens of milliseconds.
 
 from __future__ import annotations
 
+import json
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Literal
 
+from tandem.models.toolcalls import call_value
 from tandem.tokens import common_prefix
 
 WHITESPACE = b" \t\n\r"
@@ -49,35 +62,48 @@ WHITESPACE = b" \t\n\r"
 
 THINK_CLOSE_ID = 248069
 """``</think>`` in the Qwen3.5/3.6 vocabulary."""
+THINK_OPEN_ID = 248068
+"""``<think>`` in the Qwen3.5/3.6 vocabulary."""
+CALL_OPEN_ID = 248058
+"""``<tool_call>`` in the Qwen3.5/3.6 vocabulary."""
+CALL_OPEN = b"<tool_call>"
+CALL_CLOSE = b"</tool_call>"
+THINK_CLOSE = b"</think>"
 
 TokenBytes = Callable[[int], "bytes | None"]
-Mode = Literal["exact", "glue", "reasoning"]
+Mode = Literal["exact", "glue", "calls", "reasoning"]
 
 
 @dataclass(frozen=True)
 class Region:
     """One generation in row positions: ``start`` the first generated row, ``think_close`` the
     row of its first ``</think>`` (None: the generation never closed its reasoning), ``stop``
-    one past its last row."""
+    one past its last row. ``closed_by_call``: the generation, thinking, wrote a
+    ``<tool_call>`` before any ``</think>``; ``think_close`` is that call's row, where the
+    rendered copy has a ``</think>`` the rows lack."""
 
     start: int
     think_close: int | None
     stop: int
+    closed_by_call: bool = False
 
     @classmethod
     def of_generation(cls, start: int, generated: Sequence[int],
-                      think_close_id: int = THINK_CLOSE_ID) -> Region:
+                      think_close_id: int = THINK_CLOSE_ID, *, thinking: bool = False,
+                      call_open_id: int = CALL_OPEN_ID) -> Region:
         """The region of ``generated`` (the tokens of one generation that are in the rows)
-        written from row ``start`` on."""
-        try:
-            close = start + list(generated).index(think_close_id)
-        except ValueError:
-            close = None
-        return cls(start, close, start + len(generated))
+        written from row ``start`` on; ``thinking``: it began inside an open ``<think>``."""
+        generated = list(generated)
+        close = generated.index(think_close_id) if think_close_id in generated else None
+        if thinking and call_open_id in generated:
+            call = generated.index(call_open_id)
+            if close is None or call < close:
+                return cls(start, start + call, start + len(generated), True)
+        return cls(start, None if close is None else start + close, start + len(generated))
 
     def shifted(self, by: int) -> Region:
         return Region(self.start + by, None if self.think_close is None else self.think_close + by,
-                      self.stop + by)
+                      self.stop + by, self.closed_by_call)
 
 
 @dataclass
@@ -152,7 +178,8 @@ class EndRecord:
         served = list(served)
         generated = list(generated)
         start = len(served)
-        region = Region.of_generation(start, generated, think_close_id)
+        region = Region.of_generation(start, generated, think_close_id,
+                                      thinking=_opens_reasoning(served, think_close_id))
         hidden = list(served_hidden) + _runs(start + p for p in hidden_in_generated)
         if previous is not None:
             n = len(previous.rows)
@@ -211,15 +238,18 @@ def align(record: EndRecord, prompt: Sequence[int], token_bytes: TokenBytes, *,
     if not allow_glue:
         return None
     streams = record.streams(token_bytes)
-    found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=False)
-    if found is None and allow_reasoning and any(
-            r.think_close is not None for r in record.regions):
-        found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=True)
-    if found is None:
-        return None
-    cut, hidden, reasoning = found
-    return Alignment(rows + prompt[cut:], cut, "reasoning" if reasoning else "glue",
-                     hidden, reasoning)
+    calls = CALL_OPEN in streams.nonws[max(0, _call_start(streams.nonws, d)):]
+    passes = [(False, False)] + ([(False, True)] if calls else [])
+    if allow_reasoning and any(r.think_close is not None for r in record.regions):
+        passes += [(True, False)] + ([(True, True)] if calls else [])
+    for reasoning_pass, values in passes:
+        found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=reasoning_pass,
+                            values=values)
+        if found is not None:
+            cut, hidden, reasoning = found
+            mode: Mode = "reasoning" if reasoning else "calls" if values else "glue"
+            return Alignment(rows + prompt[cut:], cut, mode, hidden, reasoning)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,6 +269,51 @@ def _nonws_list(ids: Sequence[int], cache: dict[int, bytes], token_bytes: TokenB
     return out
 
 
+def _opens_reasoning(served: Sequence[int], think_close_id: int) -> bool:
+    """Whether a prompt ends inside an open ``<think>`` (its last think tag, among the last
+    few tokens, is ``<think>``): the generation after it starts with reasoning."""
+    for t in reversed(served[-4:]):
+        if t == think_close_id:
+            return False
+        if t == THINK_OPEN_ID:
+            return True
+    return False
+
+
+def _call_start(nonws: Sequence[bytes], s: int) -> int:
+    """The row of the ``<tool_call>`` that row ``s`` is inside (its ``</tool_call>`` not
+    before ``s``), else ``s``: a call is compared whole, from its opening tag."""
+    for i in range(min(s, len(nonws)) - 1, -1, -1):
+        b = nonws[i]
+        if b == CALL_CLOSE:
+            return s
+        if b == CALL_OPEN:
+            return i
+    return s
+
+
+def _call_values(ids: Sequence[int], nonws: Sequence[bytes],
+                 token_bytes: TokenBytes) -> dict[int, bytes]:
+    """The bytes to compare in place of each whole tool call in ``ids``: the opening tag and
+    the body nothing, the closing tag the call's value (name and arguments, JSON with sorted
+    keys); a call that does not parse keeps its bytes."""
+    out: dict[int, bytes] = {}
+    opened: int | None = None
+    for k, b in enumerate(nonws):
+        if b == CALL_OPEN:
+            opened = k
+        elif b == CALL_CLOSE and opened is not None:
+            body = b"".join(token_bytes(t) or b"" for t in ids[opened + 1:k])
+            value = call_value(body.decode("utf-8", errors="replace"))
+            if value is not None:
+                for j in range(opened, k):
+                    out[j] = b""
+                out[k] = b"\x00call" + json.dumps(value, sort_keys=True,
+                                                   ensure_ascii=False).encode() + b"\x00"
+            opened = None
+    return out
+
+
 def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted positions as [start, stop) runs."""
     spans: list[tuple[int, int]] = []
@@ -251,8 +326,10 @@ def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
-                token_bytes: TokenBytes, reasoning: bool) -> tuple[int, int, int] | None:
+                token_bytes: TokenBytes, reasoning: bool,
+                values: bool = False) -> tuple[int, int, int] | None:
     """One byte-stream pass; (cut, hidden tokens replayed, reasoning tokens replayed) or None.
+    ``values``: tool calls compared by value (the ``calls`` pass).
 
     Rows ``[0, s)`` are the prompt's own tokens (s at most the first differing token), so spans
     and regions wholly before ``s`` are in the copy as they are, and only the streams from ``s``
@@ -264,10 +341,24 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
               if reasoning and r.think_close is not None and r.think_close > d
               and r.think_close > r.start]
     s = min([d] + [a for a, _ in hidden] + [a for a, _ in thinks])
+    if values:
+        s = _call_start(streams.nonws, s)
     off, data = streams.offsets, streams.data
+    # Rows where the copy renders a </think> the rows lack (a call made while thinking).
+    implied = {r.think_close for r in record.regions
+               if r.closed_by_call and r.think_close is not None and r.think_close >= s}
+    swapped = (_call_values(rows[s:], streams.nonws[s:], token_bytes) if values else {})
+    swapped = {s + k: v for k, v in swapped.items()}
+
+    def chunk_of(a: int, b: int) -> bytes:
+        head = THINK_CLOSE if a in implied else b""
+        if not swapped:
+            return head + data[off[a]:off[b]]
+        nonws = streams.nonws
+        return head + b"".join(swapped.get(i, nonws[i]) for i in range(a, b))
 
     # The rows from s as pieces: (region index or -1, start row, stop row), hidden rows left out.
-    cuts = {s, n}
+    cuts = {s, n} | implied
     for a, b in hidden + thinks:
         cuts.add(a)
         cuts.add(b)
@@ -278,7 +369,7 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
         if any(h0 <= a and b <= h1 for h0, h1 in hidden):
             continue
         tag = next((i for i, (t0, t1) in enumerate(thinks) if t0 <= a and b <= t1), -1)
-        chunk = data[off[a]:off[b]]
+        chunk = chunk_of(a, b)
         if parts and parts[-1][0] == tag:
             parts[-1][1].append(chunk)
             parts[-1] = (tag, parts[-1][1], parts[-1][2] + (b - a))
@@ -287,6 +378,9 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
     pieces = [(tag, b"".join(chunks), count) for tag, chunks, count in parts]
 
     tail = _nonws_list(prompt[s:], streams.cache, token_bytes)
+    if values:
+        for k, v in _call_values(prompt[s:], tail, token_bytes).items():
+            tail[k] = v
     pdata = b"".join(tail)
     pos = 0
     replay_reasoning = 0

@@ -49,4 +49,7 @@ def load_model(spec: str, models_dir: Path, dtype: str = "auto") -> LoadedModel:
         from tandem.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path)
+        if spec == TINY_NAME:
+            # tiny renders with tandem's template whatever an older tandem wrote beside it
+            tokenizer.chat_template = None
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name)

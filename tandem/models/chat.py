@@ -21,15 +21,28 @@ any text, as Qwen's tokenizer reads them (a model's own tags come back that way)
 past ``MAX_JSON_DEPTH`` (100) levels, in tools or call arguments, is a ChatError.
 
 Parsing: the prompt ends with ``<think>\\n`` when thinking is on, so a generation is
-``REASONING</think>\\n\\nCONTENT``; ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n
-</tool_call>`` blocks in the content become tool calls (a block that is not such JSON stays in
-the content, verbatim). Reasoning and content are stripped of surrounding whitespace, as the
-template strips them when it renders them back. :class:`StreamParser` gives the same result
-incrementally, never leaking a partial ``</think>`` or ``<tool_call>`` tag.
+``REASONING</think>\\n\\nCONTENT``; a ``<tool_call>`` written before any ``</think>`` ends the
+reasoning too (Qwen3.5 calls from inside an unclosed think block). ``<tool_call>`` blocks in the
+content become tool calls, in either form: the JSON one (``<tool_call>\\n{"name": ...,
+"arguments": {...}}\\n</tool_call>``, tandem's and Qwen3's templates teach it) and the XML one
+(``<function=NAME>`` with ``<parameter=KEY>`` blocks, tandem.models.toolcalls, the Qwen3.5 /
+Qwen3.6 templates teach it), its values typed by the request's tool schemas. A block that is
+neither stays in the content, verbatim. Reasoning and content are stripped of surrounding
+whitespace, as the template strips them when it renders them back. :class:`StreamParser` gives
+the same result incrementally, never leaking a partial tag, and sends an XML call's name as
+soon as it is read and its arguments as they come.
+
+Templates: a checkpoint's own (``tokenizer_config.json``'s ``chat_template`` or a
+``chat_template.jinja`` beside it) renders its prompts, with the flags the request gives
+(``chat_template_kwargs``: ``enable_thinking``, ``preserve_thinking``) and its own defaults for
+the rest; tandem's renders for ``tiny`` and for checkpoints that ship none
+(:func:`template_info`, :func:`tool_format_of`). Whether the generation starts in its reasoning
+is read from the rendered prompt (:attr:`ChatPrompt.thinking`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -37,12 +50,14 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
 import msgspec
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tandem.models.toolcalls import XmlCall, partial_suffix, read_header, tool_properties
 
 
 THINK_OPEN = "<think>"
@@ -71,29 +86,65 @@ def default_chat_template() -> str:
     return TEMPLATE_PATH.read_text(encoding="utf-8")
 
 
+ToolFormat = Literal["json", "xml"]
+TemplateSource = Literal["tandem", "checkpoint"]
+
+
+class TemplateInfo(msgspec.Struct, frozen=True):
+    """Which template renders the prompts (``/v1/models`` and ``/health`` say it): ``source``
+    tandem's own or the checkpoint's, ``sha256`` of its text, and the ``tool_format`` it
+    teaches the model."""
+
+    source: TemplateSource
+    sha256: str
+    tool_format: ToolFormat
+
+
+def tool_format_of(template: str) -> ToolFormat:
+    """The tool-call form a template teaches: ``xml`` when its text writes ``<function=`` (the
+    Qwen3.5 / Qwen3.6 / Qwen3-Coder templates, in their instructions and in the calls they
+    render back), else ``json`` (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``,
+    tandem's and Qwen3's). The parser reads both forms whatever the template teaches; this is
+    what the model was trained to write, and what its earlier calls render as."""
+    return "xml" if "<function=" in template else "json"
+
+
+@lru_cache(maxsize=8)
+def template_info(template: str | None) -> TemplateInfo:
+    """The info of the template a server renders with (``template``: the checkpoint's text,
+    None for tandem's). A checkpoint that ships tandem's own text (``tiny``, the test models)
+    renders with tandem's."""
+    text = default_chat_template() if template is None else template
+    source: TemplateSource = "tandem" if text == default_chat_template() else "checkpoint"
+    return TemplateInfo(source, hashlib.sha256(text.encode("utf-8")).hexdigest(),
+                        tool_format_of(text))
+
+
 def render_chat(messages: Sequence[Mapping[str, Any]],
                 tools: Sequence[Mapping[str, Any]] | None = None,
                 add_generation_prompt: bool = True,
-                enable_thinking: bool = True,
+                enable_thinking: bool | None = True,
                 template: str | None = None,
-                preserve_thinking: bool = True) -> str:
+                preserve_thinking: bool | None = True) -> str:
     """The prompt text of a conversation. ``template``: a Jinja chat template (a checkpoint's
     own); None: tandem's. ``enable_thinking``: the generation prompt opens ``<think>\\n`` (True)
     or closes an empty think block (False). ``preserve_thinking``: render the reasoning of every
-    earlier answer (True) or only after the last user query (False, Qwen3's published rule)."""
+    earlier answer (True) or only after the last user query (False, Qwen3's published rule).
+    A flag that is None is not passed: the template's own default holds (tandem's template
+    defaults both to True; a checkpoint's has its own, as under vLLM)."""
     return _render(normalize_messages(messages), normalize_tools(tools), add_generation_prompt,
                    enable_thinking, template, preserve_thinking)
 
 
 def _render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            add_generation_prompt: bool, enable_thinking: bool, template: str | None,
-            preserve_thinking: bool) -> str:
+            add_generation_prompt: bool, enable_thinking: bool | None, template: str | None,
+            preserve_thinking: bool | None) -> str:
     compiled = _compile(template if template is not None else default_chat_template())
+    flags = {k: v for k, v in (("enable_thinking", enable_thinking),
+                               ("preserve_thinking", preserve_thinking)) if v is not None}
     try:
         return compiled.render(messages=messages, tools=tools,
-                               add_generation_prompt=add_generation_prompt,
-                               enable_thinking=enable_thinking,
-                               preserve_thinking=preserve_thinking)
+                               add_generation_prompt=add_generation_prompt, **flags)
     except ChatError:
         raise
     except jinja2.TemplateError as e:
@@ -117,6 +168,13 @@ class ChatPrompt:
         """The prompt text, what :func:`render_chat` returns."""
         return self._marks.show(self._marked) if self._marks.used else self._marked
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the prompt ends inside an open ``<think>`` block (the generation prompt of a
+        thinking turn), so that the generation starts with its reasoning. Read from the text,
+        since a checkpoint's template decides it by its own defaults."""
+        return opens_reasoning(self._marked)
+
     def encode(self, tokenizer: Any) -> list[int]:
         marks = self._marks
         if not marks.used:
@@ -136,9 +194,9 @@ class ChatPrompt:
 def render_prompt(messages: Sequence[Mapping[str, Any]],
                   tools: Sequence[Mapping[str, Any]] | None = None,
                   add_generation_prompt: bool = True,
-                  enable_thinking: bool = True,
+                  enable_thinking: bool | None = True,
                   template: str | None = None,
-                  preserve_thinking: bool = True,
+                  preserve_thinking: bool | None = True,
                   control_tokens: Sequence[str] = ()) -> ChatPrompt:
     """The conversation rendered as :func:`render_chat` renders it, every client string's
     ``control_tokens`` text (a tokenizer's ``control_tokens``) rendered as a unique mark that
@@ -163,6 +221,11 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     arguments of :func:`render_chat`."""
     return render_prompt(messages, tools, control_tokens=tokenizer.control_tokens,
                          **render).encode(tokenizer)
+
+
+def opens_reasoning(prompt_text: str) -> bool:
+    """Whether a rendered prompt ends with an open ``<think>`` (whitespace after it aside)."""
+    return prompt_text.rstrip().endswith(THINK_OPEN)
 
 
 class _MarkInText(Exception):
@@ -449,19 +512,35 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
+def _split_reasoning(text: str) -> tuple[str, str]:
+    """(reasoning, the rest) of a generation that starts thinking: the reasoning ends at the
+    first ``</think>``, or at a ``<tool_call>`` written before any (Qwen3.5 calls from inside an
+    unclosed think block); the rest then starts with that ``<tool_call>``."""
+    close = text.find(THINK_CLOSE)
+    call = text.find(CALL_OPEN)
+    if call >= 0 and (close < 0 or call < close):
+        return text[:call], text[call:]
+    if close >= 0:
+        return text[:close], text[close + len(THINK_CLOSE):]
+    return text, ""
+
+
 def parse_output(text: str, thinking: bool = True,
-                 make_id: Callable[[], str] = new_call_id) -> ParsedOutput:
+                 make_id: Callable[[], str] = new_call_id,
+                 tools: Sequence[Any] | None = None) -> ParsedOutput:
     """Split a whole generation. ``thinking``: the prompt ended with ``<think>\\n``, so the text
-    up to the first ``</think>`` is reasoning (all of it, when there is none: the generation
-    stopped while thinking). Reasoning that is empty is None."""
+    up to the first ``</think>`` (or ``<tool_call>``) is reasoning (all of it, when there is
+    none: the generation stopped while thinking). Reasoning that is empty is None. ``tools``:
+    the request's, whose schemas type an XML call's values."""
     reasoning = None
     body = text
     if thinking:
-        head, sep, body = text.partition(THINK_CLOSE)
+        head, body = _split_reasoning(text)
         r = head.strip()
         if r.startswith(THINK_OPEN):  # the model opened the block again
             r = r[len(THINK_OPEN):].strip()
         reasoning = r or None
+    props = tool_properties(tools)
     content: list[str] = []
     tool_calls: list[dict[str, Any]] = []
     pos = 0
@@ -471,17 +550,37 @@ def parse_output(text: str, thinking: bool = True,
             content.append(body[pos:])
             break
         content.append(body[pos:start])
-        end = body.find(CALL_CLOSE, start + len(CALL_OPEN))
+        after = start + len(CALL_OPEN)
+        header = read_header(body[after:])
+        if isinstance(header, tuple):  # the XML form
+            name, used = header
+            call = XmlCall(props.get(name))
+            arguments = "".join(call.feed(body[after + used:]))
+            if not call.done:  # the generation stopped inside the call: it stays text
+                content.append(body[start:])
+                break
+            tool_calls.append(_call(make_id(), name, arguments))
+            rest = call.rest.lstrip()
+            pos = len(body) - len(rest)
+            if rest.startswith(CALL_CLOSE):
+                pos += len(CALL_CLOSE)
+            continue
+        end = body.find(CALL_CLOSE, after)
         if end < 0:  # unterminated: the generation stopped inside it
             content.append(body[start:])
             break
-        call = parse_tool_call(body[start + len(CALL_OPEN):end], make_id)
-        if call is None:
+        call_json = parse_tool_call(body[after:end], make_id)
+        if call_json is None:
             content.append(body[start:end + len(CALL_CLOSE)])
         else:
-            tool_calls.append(call)
+            tool_calls.append(call_json)
         pos = end + len(CALL_CLOSE)
     return ParsedOutput(reasoning, "".join(content).strip(), tool_calls)
+
+
+def _call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def parse_tool_call(block: str, make_id: Callable[[], str] = new_call_id,
@@ -507,8 +606,7 @@ def parse_tool_call(block: str, make_id: Callable[[], str] = new_call_id,
             return None
     if not isinstance(args, dict):
         return None
-    return {"id": make_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+    return _call(make_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,21 +626,33 @@ class ContentDelta(msgspec.Struct, frozen=True, tag=True):
 
 
 class ToolCallParsed(msgspec.Struct, frozen=True, tag=True):
-    """A whole tool call, the ``index``-th of the generation."""
+    """A whole tool call (the JSON form), the ``index``-th of the generation."""
 
     index: int
     tool_call: dict[str, Any]
 
 
-StreamEvent = ReasoningDelta | ContentDelta | ToolCallParsed
+class ToolCallStarted(msgspec.Struct, frozen=True, tag=True):
+    """The ``index``-th call's id and name, as soon as its ``<function=NAME>`` is read (the
+    XML form); its arguments follow as :class:`ToolCallArguments`."""
+
+    index: int
+    call_id: str
+    name: str
 
 
-def _partial_suffix(buf: str, tag: str) -> int:
-    """Length of the longest end of ``buf`` that is a proper beginning of ``tag``."""
-    for n in range(min(len(buf), len(tag) - 1), 0, -1):
-        if tag.startswith(buf[-n:]):
-            return n
-    return 0
+class ToolCallArguments(msgspec.Struct, frozen=True, tag=True):
+    """More of the ``index``-th call's arguments: the fragments of a call concatenate to its
+    arguments' JSON text (cut short only where the generation stopped inside the call)."""
+
+    index: int
+    text: str
+
+
+StreamEvent = ReasoningDelta | ContentDelta | ToolCallParsed | ToolCallStarted | ToolCallArguments
+
+
+_partial_suffix = partial_suffix
 
 
 class _Stripped:
@@ -569,17 +679,26 @@ class StreamParser:
     """Text deltas in, :data:`StreamEvent` lists out; the same split as :func:`parse_output`.
 
     The reasoning deltas joined equal ``parse_output(text).reasoning`` (or "" for None), the
-    content deltas joined equal its content, and the tool calls arrive whole, in order. A tag
-    that may still be forming is held back, never emitted as text.
+    content deltas joined equal its content, and the tool calls add up to its calls, in order
+    (:func:`collect`): a JSON call arrives whole, an XML call as its name, then its arguments
+    as they come. A tag that may still be forming is held back, never emitted as text. One
+    difference: an XML call whose name was sent stays a call when the generation stops inside
+    it (its arguments cut short, as OpenAI's are at ``length``), where :func:`parse_output`,
+    seeing the whole text, keeps it as text. ``num_calls``: the calls read to their end.
     """
 
-    def __init__(self, thinking: bool = True, make_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, thinking: bool = True, make_id: Callable[[], str] = new_call_id,
+                 tools: Sequence[Any] | None = None) -> None:
         self._make_id = make_id
-        self._phase = "head" if thinking else "content"  # head -> reasoning -> content <-> call
+        self._props = tool_properties(tools)
+        # head -> reasoning -> content <-> call -> (json | xml -> after_xml) -> content
+        self._phase = "head" if thinking else "content"
         self._buf = ""
         self._reasoning = _Stripped()
         self._content = _Stripped()
-        self._num_calls = 0
+        self._xml: XmlCall | None = None
+        self._index = 0  # of the next call
+        self.num_calls = 0
 
     def feed(self, delta: str) -> list[StreamEvent]:
         self._buf += delta
@@ -591,14 +710,18 @@ class StreamParser:
         """Events for what was held back, at the end of the generation."""
         events: list[StreamEvent] = []
         self._scan(events)
-        if self._phase == "head":
-            self._reason(events, self._buf.lstrip())
-        elif self._phase == "reasoning":
-            self._reason(events, self._buf)
-        elif self._phase == "content":
-            self._say(events, self._buf)
-        else:  # inside an unterminated tool call: it stays content
-            self._say(events, CALL_OPEN + self._buf)
+        phase, buf = self._phase, self._buf
+        if phase == "head":
+            self._reason(events, buf.lstrip())
+        elif phase == "reasoning":
+            self._reason(events, buf)
+        elif phase == "content":
+            self._say(events, buf)
+        elif phase in ("call", "json"):  # inside an unterminated tool call: it stays content
+            self._say(events, CALL_OPEN + buf)
+        elif phase == "after_xml":  # the call is whole; what followed it is content
+            self._say(events, buf.lstrip())
+        # "xml": the generation stopped inside the call, whose name and arguments so far went
         self._buf = ""
         return events
 
@@ -615,24 +738,29 @@ class StreamParser:
     def _scan(self, events: list[StreamEvent]) -> None:
         while True:
             buf = self._buf
-            if self._phase == "head":
+            phase = self._phase
+            if phase == "head":
                 # is the reasoning opened by a (redundant) <think>? wait until it is known
                 s = buf.lstrip()
                 if not s or (len(s) < len(THINK_OPEN) and THINK_OPEN.startswith(s)):
                     return
                 self._buf = s[len(THINK_OPEN):] if s.startswith(THINK_OPEN) else s
                 self._phase = "reasoning"
-            elif self._phase == "reasoning":
-                end = buf.find(THINK_CLOSE)
-                if end < 0:
-                    keep = _partial_suffix(buf, THINK_CLOSE)
+            elif phase == "reasoning":
+                close, call = buf.find(THINK_CLOSE), buf.find(CALL_OPEN)
+                if close < 0 and call < 0:
+                    keep = max(_partial_suffix(buf, THINK_CLOSE), _partial_suffix(buf, CALL_OPEN))
                     self._reason(events, buf[:len(buf) - keep])
                     self._buf = buf[len(buf) - keep:]
                     return
-                self._reason(events, buf[:end])
-                self._buf = buf[end + len(THINK_CLOSE):]
+                if call >= 0 and (close < 0 or call < close):
+                    self._reason(events, buf[:call])
+                    self._buf = buf[call:]  # the call is read as content's
+                else:
+                    self._reason(events, buf[:close])
+                    self._buf = buf[close + len(THINK_CLOSE):]
                 self._phase = "content"
-            elif self._phase == "content":
+            elif phase == "content":
                 start = buf.find(CALL_OPEN)
                 if start < 0:
                     keep = _partial_suffix(buf, CALL_OPEN)
@@ -642,7 +770,39 @@ class StreamParser:
                 self._say(events, buf[:start])
                 self._buf = buf[start + len(CALL_OPEN):]
                 self._phase = "call"
-            else:  # "call": the text after <tool_call>
+            elif phase == "call":  # after <tool_call>: which form?
+                header = read_header(buf)
+                if header is None:
+                    return
+                if header is False:
+                    self._phase = "json"
+                    continue
+                name, used = header
+                events.append(ToolCallStarted(self._index, self._make_id(), name))
+                self._xml = XmlCall(self._props.get(name))
+                self._buf = buf[used:]
+                self._phase = "xml"
+            elif phase == "xml":
+                assert self._xml is not None
+                text = "".join(self._xml.feed(buf))
+                self._buf = ""
+                if text:
+                    events.append(ToolCallArguments(self._index, text))
+                if not self._xml.done:
+                    return
+                self._buf = self._xml.rest
+                self._xml = None
+                self._index += 1
+                self.num_calls += 1
+                self._phase = "after_xml"
+            elif phase == "after_xml":  # the </tool_call> after </function>, if it comes
+                s = buf.lstrip()
+                if not s or (CALL_CLOSE.startswith(s) and s != CALL_CLOSE):
+                    self._buf = s
+                    return
+                self._buf = s[len(CALL_CLOSE):] if s.startswith(CALL_CLOSE) else s
+                self._phase = "content"
+            else:  # "json": the text after <tool_call>, up to </tool_call>
                 end = buf.find(CALL_CLOSE)
                 if end < 0:
                     return
@@ -650,8 +810,9 @@ class StreamParser:
                 if call is None:
                     self._say(events, CALL_OPEN + buf[:end + len(CALL_CLOSE)])
                 else:
-                    events.append(ToolCallParsed(self._num_calls, call))
-                    self._num_calls += 1
+                    events.append(ToolCallParsed(self._index, call))
+                    self._index += 1
+                    self.num_calls += 1
                 self._buf = buf[end + len(CALL_CLOSE):]
                 self._phase = "content"
 
@@ -660,5 +821,12 @@ def collect(events: Sequence[StreamEvent]) -> ParsedOutput:
     """The ParsedOutput that a list of stream events adds up to."""
     reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
-    calls = [e.tool_call for e in events if isinstance(e, ToolCallParsed)]
-    return ParsedOutput(reasoning or None, content, calls)
+    calls: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if isinstance(e, ToolCallParsed):
+            calls[e.index] = e.tool_call
+        elif isinstance(e, ToolCallStarted):
+            calls[e.index] = _call(e.call_id, e.name, "")
+        elif isinstance(e, ToolCallArguments):
+            calls[e.index]["function"]["arguments"] += e.text
+    return ParsedOutput(reasoning or None, content, [calls[i] for i in sorted(calls)])

@@ -8,7 +8,9 @@ generated token before the first ``</think>`` is reasoning. Once ``max_reasoning
 them are written and no ``</think>`` is among them, it forces, one a call, the close phrase
 (``close_ids``: hidden, never shown to the client), ``</think>`` and the tokens of ``"\\n\\n"``
 (both structural, visible as the boundary between reasoning and answer), then returns None for
-good and sampling resumes. :attr:`hidden_positions` are the phrase's positions in ``out``, what
+good and sampling resumes. A ``<tool_call>`` the model writes before any ``</think>`` ends the
+reasoning as its ``</think>`` would (Qwen3.5 calls from inside an unclosed think block): the
+budget then never forces, so no phrase lands inside the call. :attr:`hidden_positions` are the phrase's positions in ``out``, what
 the end anchor records as a hidden span (:mod:`tandem.cache.endalign`).
 
 Pure: no torch, no asyncio.
@@ -24,6 +26,9 @@ CLOSE_PHRASE = "\n\nThe reasoning budget is spent; answering now.\n"
 
 THINK_CLOSE_ID = 248069
 """``</think>`` in the Qwen3.5/3.6 vocabulary."""
+
+CALL_OPEN_ID = 248058
+"""``<tool_call>`` in the Qwen3.5/3.6 vocabulary."""
 
 NEWLINES_IDS = (271,)
 """``"\\n\\n"`` in the Qwen3.5/3.6 vocabulary: what follows ``</think>`` before the answer."""
@@ -46,13 +51,16 @@ class ReasoningBudget:
 
     def __init__(self, max_reasoning_tokens: int, close_ids: Sequence[int],
                  think_close_id: int = THINK_CLOSE_ID,
-                 after_close_ids: Sequence[int] = NEWLINES_IDS) -> None:
+                 after_close_ids: Sequence[int] = NEWLINES_IDS,
+                 call_open_id: int | None = CALL_OPEN_ID) -> None:
         if max_reasoning_tokens < 0:
             raise ValueError("max_reasoning_tokens must be at least 0")
         self.max_reasoning_tokens = int(max_reasoning_tokens)
         self.close_ids = [int(t) for t in close_ids]
         self.think_close_id = int(think_close_id)
         self.after_close_ids = [int(t) for t in after_close_ids]
+        self._ends = {self.think_close_id} | ({int(call_open_id)} if call_open_id is not None
+                                              else set())
         self._sequence = self.close_ids + [self.think_close_id] + self.after_close_ids
         self._start: int | None = None   # where in out the forcing began
         self._scanned = 0                 # out[:_scanned] holds no </think>
@@ -65,7 +73,8 @@ class ReasoningBudget:
         """A budget with the phrase, ``</think>`` and ``"\\n\\n"`` of ``tokenizer``."""
         close = tokenizer.special_ids.get("</think>", THINK_CLOSE_ID)
         return cls(max_reasoning_tokens, default_close_ids(tokenizer, phrase), close,
-                   tokenizer.encode("\n\n", allow_special=False))
+                   tokenizer.encode("\n\n", allow_special=False),
+                   tokenizer.special_ids.get("<tool_call>"))
 
     @property
     def enabled(self) -> bool:
@@ -98,8 +107,8 @@ class ReasoningBudget:
         if self._done or self.max_reasoning_tokens <= 0:
             return None
         if self._start is None:
-            # a </think> the model wrote itself: never force
-            if self.think_close_id in out[self._scanned:]:
+            # a </think> (or a <tool_call>) the model wrote itself: never force
+            if not self._ends.isdisjoint(out[self._scanned:]):
                 self._closed = self._done = True
                 return None
             self._scanned = len(out)

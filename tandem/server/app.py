@@ -47,7 +47,7 @@ from tandem.server.keys import (
 )
 from tandem.server.memory_routes import add_memory, add_memory_routes
 from tandem.server.metrics import CONTENT_TYPE, Metrics
-from tandem.server.openai_routes import add_openai_routes
+from tandem.server.openai_routes import add_openai_routes, template_report
 from tandem.server.sessions import load_secret
 from tandem.server.state import STATE, SamplingDefaults, ServerState
 
@@ -281,7 +281,7 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "stopped"}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    body = {"status": "ok", "model": state.model_name}
+    body = {"status": "ok", "model": state.model_name, **template_report(state)}
     suffix = request.app[SUFFIX]
     if suffix is not None:
         body["suffix_store"] = suffix.report()  # rebuild_ms_total and rebuild_ms_last with it

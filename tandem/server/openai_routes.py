@@ -24,9 +24,12 @@ from tandem.models.chat import (
     ContentDelta,
     ReasoningDelta,
     StreamParser,
+    ToolCallArguments,
     ToolCallParsed,
+    ToolCallStarted,
     parse_output,
     render_prompt,
+    template_info,
 )
 from tandem.server.body import read_json
 from tandem.server.errors import ApiError, bad_request
@@ -54,7 +57,14 @@ def add_openai_routes(app: web.Application) -> None:
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created_s,
-            "owned_by": "tandem", "max_model_len": state.window}
+            "owned_by": "tandem", "max_model_len": state.window, **template_report(state)}
+
+
+def template_report(state: ServerState) -> dict:
+    """Which chat template renders the prompts and the tool-call form it teaches."""
+    info = template_info(state.chat_template)
+    return {"chat_template": {"source": info.source, "sha256": info.sha256},
+            "tool_call_format": info.tool_format}
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -219,7 +229,8 @@ def _record(ctx: _Request, body: dict[str, Any], status: int, code: str | None,
         response.update(text=run.text, token_ids=run.token_ids, usage=run.usage(),
                         cache_source=run.cache_source, finish_reason=run.finish_reason)
         if ctx.route == "chat":
-            parsed = parse_output(run.text, thinking=extra.get("thinking", True))
+            parsed = parse_output(run.text, thinking=extra.get("thinking", True),
+                                  tools=extra.get("tools"))
             response.update(reasoning=parsed.reasoning, content=parsed.content,
                             tool_calls=parsed.tool_calls)
     wall_s = time.time() - (asyncio.get_running_loop().time() - ctx.arrived_s)
@@ -241,30 +252,33 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     if req.model != state.model_name:
         raise _unknown_model(req.model, state)
     stops = req.stop_strings()
-    prompt_ids = await asyncio.to_thread(_chat_ids, state, req)
+    prompt_ids, thinking = await asyncio.to_thread(_chat_ids, state, req)
     window = state.window
     _check_window(len(prompt_ids), window, "messages")
     _check_room(req.limit, "max_completion_tokens" if req.max_completion_tokens is not None
                 else "max_tokens", len(prompt_ids), window, "messages")
     params = _params(req, state, req.limit, window - len(prompt_ids) + 1)
+    if not thinking:  # no reasoning to budget: a forced </think> would land in the answer
+        params = msgspec.structs.replace(params, max_reasoning_tokens=0)
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
-    return req, prompt_ids, params, stops, {"thinking": req.enable_thinking}
+    return req, prompt_ids, params, stops, {"thinking": thinking, "tools": req.tools}
 
 
-def _chat_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+def _chat_ids(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
     """The prompt ids (on a worker thread): control-token text in the client's strings is text
-    (tandem.models.chat.ChatPrompt)."""
+    (tandem.models.chat.ChatPrompt); and whether the prompt opens the reasoning."""
     tools = req.tools if req.tool_choice != "none" else None
     try:
         prompt = render_prompt(req.messages, tools, add_generation_prompt=True,
                                enable_thinking=req.enable_thinking, template=state.chat_template,
+                               preserve_thinking=req.preserve_thinking,
                                control_tokens=state.tokenizer.control_tokens)
     except ChatError as e:
         param = "tools" if str(e).startswith("tools") else "messages"
         raise bad_request(str(e), param, "invalid_messages") from None
     _check_fits(prompt.text, state, "messages")
-    return prompt.encode(state.tokenizer)
+    return prompt.encode(state.tokenizer), prompt.thinking
 
 
 def _chunk(ctx: _Request, run: Run, choices: list[dict], usage: dict | None = None,
@@ -288,7 +302,7 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
     writer = LogprobsWriter(ctx.state.tokenizer) if req.logprobs else None
     if not req.stream:
         text = "".join([t async for t in run.texts()])
-        parsed = parse_output(text, thinking=thinking)
+        parsed = parse_output(text, thinking=thinking, tools=extra["tools"])
         finish = _chat_finish(run.finish_reason, bool(parsed.tool_calls))
         message: dict[str, Any] = {"role": "assistant",
                                    "content": parsed.content if parsed.content or
@@ -309,11 +323,9 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
 
     include_usage = req.include_usage
     stream = _SSE(ctx.request)
-    parser = StreamParser(thinking=thinking)
-    num_calls = 0
+    parser = StreamParser(thinking=thinking, tools=extra["tools"])
 
     async def send(events) -> None:
-        nonlocal num_calls
         for event in events:
             match event:
                 case ReasoningDelta(text=t):
@@ -321,8 +333,13 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
                 case ContentDelta(text=t):
                     delta = {"content": t}
                 case ToolCallParsed(index=i, tool_call=call):
-                    num_calls += 1
                     delta = {"tool_calls": [{"index": i, **call}]}
+                case ToolCallStarted(index=i, call_id=call_id, name=name):
+                    # OpenAI's first delta of a call: its id, type and name, no arguments yet
+                    delta = {"tool_calls": [{"index": i, "id": call_id, "type": "function",
+                                             "function": {"name": name, "arguments": ""}}]}
+                case ToolCallArguments(index=i, text=t):
+                    delta = {"tool_calls": [{"index": i, "function": {"arguments": t}}]}
             # A chunk carries the entries of the tokens read since the last one.
             logprobs = writer.chat(run.take_logprobs()) if writer else None
             await stream.write(_chunk(ctx, run, _delta(delta, logprobs=logprobs),
@@ -337,7 +354,7 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
         async for text in run.texts():
             await send(parser.feed(text))
         await send(parser.finish())
-        finish = _chat_finish(run.finish_reason, num_calls > 0)
+        finish = _chat_finish(run.finish_reason, parser.num_calls > 0)
         logprobs = writer.chat(run.take_logprobs()) if writer else None
         await stream.write(_chunk(ctx, run, _delta({}, finish, logprobs),
                                   with_usage=include_usage))

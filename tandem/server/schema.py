@@ -93,7 +93,11 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ChatTemplateKwargs(msgspec.Struct, frozen=True):
-    enable_thinking: bool = True
+    """The template flags a request may set, as vLLM takes them; one left out is left to the
+    template's own default (tandem's template: both on)."""
+
+    enable_thinking: bool | None = None
+    preserve_thinking: bool | None = None
 
 
 class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
@@ -128,8 +132,14 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
             else self.max_tokens
 
     @property
-    def enable_thinking(self) -> bool:
-        return self.chat_template_kwargs is None or self.chat_template_kwargs.enable_thinking
+    def enable_thinking(self) -> bool | None:
+        return None if self.chat_template_kwargs is None \
+            else self.chat_template_kwargs.enable_thinking
+
+    @property
+    def preserve_thinking(self) -> bool | None:
+        return None if self.chat_template_kwargs is None \
+            else self.chat_template_kwargs.preserve_thinking
 
 
 class CompletionRequest(_Sampling, frozen=True, kw_only=True):

@@ -4,7 +4,9 @@ end anchor, and a copy that changed what the engine saw does not."""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -403,3 +405,82 @@ def test_whitespace_the_rows_end_with_is_not_served_twice(tok):
     check_served(tok, al, record, copy)
     assert tok.decode(al.served) == tok.decode(copy)
     assert tok.decode(copy[al.cut:]).startswith("<|im_end|>")
+
+
+# -- the XML tool-call form (a Qwen3.5 checkpoint's own template) ------------------------------
+
+QWEN35 = (Path(__file__).parents[1] / "models" / "templates" / "qwen3_5.jinja").read_text()
+XML_TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {
+        "filePath": {"type": "string"}, "limit": {"type": "integer"},
+        "force": {"type": "boolean"}}, "required": ["filePath"]}}}]
+XML_USER = [{"role": "user", "content": "Read src/app.py and tell me what it does."}]
+
+
+def xml_turn(tok, generated_text: str, *, arguments=None):
+    """The rows of a Qwen3.5 turn that generated ``generated_text``, and the copy an opencode
+    client sends back: the parsed call, its arguments a compact JSON string (``arguments``
+    replaces them), then the tool's result, rendered again by the checkpoint's template."""
+    from tandem.models.chat import encode_chat, parse_output
+
+    prompt = encode_chat(tok, XML_USER, XML_TOOLS, template=QWEN35, enable_thinking=True)
+    generated = tok.encode(generated_text) + [tok.special_ids["<|im_end|>"]]
+    record = EndRecord.after_turn(None, prompt, generated)
+    parsed = parse_output(generated_text, tools=XML_TOOLS)
+    (call,) = parsed.tool_calls
+    args = arguments if arguments is not None else json.loads(call["function"]["arguments"])
+    message = {"role": "assistant", "content": parsed.content,
+               "reasoning_content": parsed.reasoning,
+               "tool_calls": [{"id": call["id"], "type": "function", "function": {
+                   "name": "read", "arguments": json.dumps(args, separators=(",", ":"))}}]}
+    copy = encode_chat(tok, XML_USER + [message, {"role": "tool", "content": "print(1)"}],
+                       XML_TOOLS, template=QWEN35, enable_thinking=True)
+    return record, copy
+
+
+XML_CALL = ("<tool_call>\n<function=read>\n<parameter=filePath>\n/src/app.py\n</parameter>\n"
+            "<parameter=limit>\n50\n</parameter>\n<parameter=force>\ntrue\n</parameter>\n"
+            "</function>\n</tool_call>")
+
+
+def test_an_xml_call_sent_back_as_json_aligns_by_its_value(tok):
+    """Qwen3.5's template writes the client's JSON true back as Python's True: the bytes part
+    inside the call, the values do not."""
+    record, copy = xml_turn(tok, "I should read the file first.\n</think>\n\n" + XML_CALL)
+    assert "<parameter=force>\nTrue\n" in tok.decode(copy)
+    assert align(record, copy, tok.token_bytes, allow_reasoning=False) is not None
+    al = align(record, copy, tok.token_bytes)
+    assert al.mode == "calls"
+    check_served(tok, al, record, copy)
+    assert tok.decode(al.served[len(record.rows):]).startswith("\n<|im_start|>user\n"
+                                                               "<tool_response>\nprint(1)")
+
+
+def test_an_xml_call_made_inside_the_unclosed_reasoning_aligns_past_the_think_close_it_lacks(tok):
+    record, copy = xml_turn(tok, "I should read the file first.\n\n" + XML_CALL)
+    (region,) = record.regions
+    assert region.closed_by_call and tok.decode([record.rows[region.think_close]]) == \
+        "<tool_call>"
+    # the copy has a </think> before the call, which the rows never had
+    assert "read the file first.\n</think>\n\n<tool_call>" in tok.decode(copy)
+    al = align(record, copy, tok.token_bytes)
+    assert al is not None and al.mode == "calls"
+    check_served(tok, al, record, copy)
+    assert THINK_CLOSE_ID not in al.served[len(record.rows) - 40:len(record.rows)]
+
+
+def test_an_xml_call_whose_arguments_the_client_changed_does_not_align(tok):
+    record, copy = xml_turn(tok, "Read it.\n</think>\n\n" + XML_CALL,
+                            arguments={"filePath": "/src/other.py", "limit": 50, "force": True})
+    assert align(record, copy, tok.token_bytes) is None
+    record, copy = xml_turn(tok, "Read it.\n</think>\n\n" + XML_CALL,
+                            arguments={"filePath": "/src/app.py", "limit": 50, "force": False})
+    assert align(record, copy, tok.token_bytes) is None
+
+
+def test_a_call_made_without_thinking_is_no_think_close(tok):
+    prompt = enc(tok, render_chat([USER], tools=TOOLS, enable_thinking=False))
+    gen = enc(tok, '<tool_call>\n{"name": "read", "arguments": {"filePath": "a"}}\n</tool_call>')
+    (region,) = EndRecord.after_turn(None, prompt, gen).regions
+    assert region.think_close is None and not region.closed_by_call

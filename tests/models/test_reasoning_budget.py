@@ -97,3 +97,13 @@ def test_a_budget_built_from_raw_ids_forces_them(tok):
     assert out == [1, 1, 1, 11, 12, 99, 7] + [1] * 7
     assert budget.hidden_positions == [3, 4]
     assert budget.visible(out) == [1, 1, 1, 99, 7] + [1] * 7
+
+
+def test_a_tool_call_written_inside_the_reasoning_ends_it_and_the_budget_never_forces(tok):
+    """Qwen3.5 calls from inside an unclosed think block: a phrase forced past the budget would
+    land inside the call's arguments."""
+    call_open = tok.special_ids["<tool_call>"]
+    budget = ReasoningBudget.for_tokenizer(tok, 5)
+    sampled = [THINK] * 3 + [call_open] + [ANSWER] * 20
+    assert run(budget, sampled) == sampled
+    assert not budget.closed_by_budget and budget.hidden_positions == []

@@ -27,6 +27,23 @@ def test_tiny_is_an_ordinary_checkpoint_folder_written_once(home):
     assert "<|im_start|>" in json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
 
 
+def test_tiny_renders_with_tandems_template_whatever_its_folder_holds(home):
+    """An older tandem may have written another text beside tiny: tiny is tandem's model."""
+    from tandem.models.chat import template_info
+
+    path = ensure_tiny(home / "models")
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    stale = dict(config, chat_template=config["chat_template"] + "{#- older -#}")
+    config_path.write_text(json.dumps(stale))
+    try:
+        loaded = load_model("tiny", home / "models")
+    finally:
+        config_path.write_text(json.dumps(config))
+    assert loaded.tokenizer.chat_template is None
+    assert template_info(loaded.tokenizer.chat_template).source == "tandem"
+
+
 def test_two_writes_give_the_same_weights(home, tmp_path):
     a = json.loads((ensure_tiny(home / "models") / "tandem-tiny.json").read_text())
     b = json.loads((ensure_tiny(tmp_path / "other") / "tandem-tiny.json").read_text())
