@@ -2,9 +2,10 @@
 tandem/models/chat.py).
 
 templates/qwen3_5.jinja is the chat template the Qwen3.5 checkpoints ship (public, data);
-templates/qwen3_6.jinja is Qwen3.6's, which differs in three places: ``preserve_thinking``,
-thinking on by default, and non-string values written with ``tojson`` (Qwen3.5 writes them with
-``| string``: ``True``, ``None``)."""
+templates/qwen3_6.jinja is not a downloaded file: it is Qwen3.5's with the three differences a
+copy of Qwen3.6's (in llama.cpp's webui test data) shows: ``preserve_thinking``, thinking on by
+default, and non-string values written with ``tojson`` (Qwen3.5 writes them with ``| string``:
+``True``, ``None``)."""
 
 import itertools
 import json
