@@ -173,17 +173,25 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     linears and index_add an expert hit: k rounds a layer at decode (1 token, top-8), up to all
     E (256, 512) at prefill. A gather of each pair's weights (``gate_up[top_i]``, then bmm)
     copies k experts' matrices before multiplying: 20x slower at decode on two cores. The
-    grouped call is two dispatches whatever k and E. The sort is stable, so a token's rows meet
-    index_add in ascending expert order, the order of a per-expert loop (transformers'): the two
-    agree bit for bit (naive.moe_naive).
+    grouped call is two dispatches whatever k and E.
+
+    The sum over a token's k experts is taken in ascending expert order, one rounding an add, as
+    a per-expert loop (transformers') adds them: the two agree bit for bit (naive.moe_naive). An
+    index_add_ of all the rows at once does not: in bf16 it sums a token's rows before rounding.
     """
-    k = top_i.shape[1]
+    num_tokens, k = top_i.shape
+    top_i, slot = torch.sort(top_i, dim=-1)  # each token's experts ascending
+    top_w = top_w.gather(-1, slot)
     flat = top_i.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
+    order = torch.argsort(flat, stable=True)  # the (token, expert) pairs grouped by expert
     ends = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
-    rows = x.index_select(0, token)
+    rows = x.index_select(0, order // k)
     gate, up = _grouped_linear(rows, gate_up, ends).chunk(2, dim=-1)
     y = _grouped_linear(F.silu(gate) * up, down, ends)
-    y = y * top_w.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, token, y)
+    pairs = torch.empty_like(y)
+    pairs[order] = y  # back in (token, ascending expert) order
+    pairs = pairs.view(num_tokens, k, -1) * top_w[..., None]
+    out = torch.zeros_like(x)
+    for j in range(k):
+        out = out + pairs[:, j]
+    return out
