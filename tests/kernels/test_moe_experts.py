@@ -20,13 +20,33 @@ def _inputs(tokens, experts, top_k, hidden=64, inter=48, dtype=torch.float32, se
     return x, gate_up, down, top_w, top_i
 
 
+@pytest.mark.parametrize("path", ["grouped", "hit-loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 8, 2), (1, 64, 8), (7, 8, 2), (300, 64, 8)])
-def test_the_grouped_experts_equal_a_per_expert_loop_bit_for_bit(tokens, experts, top_k, dtype):
+def test_the_routed_experts_equal_a_per_expert_loop_bit_for_bit(tokens, experts, top_k, dtype,
+                                                                path, monkeypatch):
+    # A ratio every count reaches: grouped_mm whatever the experts hit; 0: the loop over them.
+    monkeypatch.setattr(reference, "CPU_LOOP_RATIO", 10 ** 9 if path == "grouped" else 0)
     args = _inputs(tokens, experts, top_k, dtype=dtype)
     got = reference.moe_experts(*args)
     assert got.dtype == dtype and got.shape == args[0].shape
     assert torch.equal(got, moe_naive(*args))
+
+
+def test_a_decode_token_takes_the_loop_over_its_experts_and_a_prefill_the_grouped_matmuls(
+        monkeypatch):
+    grouped = []
+    real = reference._GROUPED_MM
+
+    def counted(*args, **kwargs):
+        grouped.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reference, "_GROUPED_MM", counted)
+    reference.moe_experts(*_inputs(1, 256, 8))  # 8 experts of 256 hit
+    assert grouped == []
+    reference.moe_experts(*_inputs(64, 256, 8))
+    assert grouped == [1, 1]
 
 
 def test_some_experts_receive_no_token_in_the_cases_above():
