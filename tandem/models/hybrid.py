@@ -231,9 +231,10 @@ class HybridModel:
         return shapes
 
     def _check_and_cast(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        weights = dict(weights)
         c = self.config
         # The experts are held stacked, as transformers holds them, for the grouped matmuls.
+        # Each expert's tensors leave the caller's dict (the model owns it) as they are copied
+        # in, so that the load's peak is the stacks plus one expert, not two copies of them all.
         for i in range(len(c.layer_types)):
             if c.is_moe_layer(i):
                 moe.fuse_experts(weights, f"layers.{i}.mlp.", c, self.dtype)

@@ -153,3 +153,18 @@ def test_a_missing_expert_tensor_is_named(qwen3_5_moe_dir, tmp_path):
     save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelError, match=r"layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
         HybridModel.load(broken)
+
+
+def test_each_experts_tensors_are_freed_as_they_are_stacked(qwen3_5_moe_dir):
+    import gc
+    import weakref
+
+    # the loader's dict: the language model's tensors under the model's names
+    weights = {name.removeprefix("model.language_model."): t
+               for name, t in load_file(str(qwen3_5_moe_dir / "model.safetensors")).items()
+               if not name.startswith("model.visual.")}
+    expert = weakref.ref(weights["layers.1.mlp.experts.3.gate_proj.weight"])
+    model = HybridModel(HybridModel.load(qwen3_5_moe_dir).config, weights)
+    gc.collect()
+    assert expert() is None  # the loader's dict no longer holds it
+    assert model.w["layers.1.mlp.experts.gate_up_proj"].shape == (8, 96, 64)
