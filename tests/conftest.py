@@ -6,7 +6,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from oracle import make_qwen3_5, make_qwen3_next  # noqa: E402
+from oracle import make_qwen3_5, make_qwen3_5_moe, make_qwen3_next  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -24,3 +24,8 @@ def qwen3_5_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_next_dir(tmp_path_factory) -> Path:
     return make_qwen3_next(tmp_path_factory.mktemp("qwen3_next"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory) -> Path:
+    return make_qwen3_5_moe(tmp_path_factory.mktemp("qwen3_5_moe"))

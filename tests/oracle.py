@@ -85,6 +85,26 @@ def make_qwen3_next(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def make_qwen3_5_moe(path: Path, seed: int = 0, **overrides) -> Path:
+    """A Qwen3.5-MoE checkpoint as the 35B-A3B ships: model_type qwen3_5_moe with the language
+    model in text_config, its tensors under model.language_model.*, one expert's tensors apiece
+    (transformers saves them so), and a vision tower beside it, which tandem leaves unread."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = _common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                   shared_expert_intermediate_size=64)
+    del text["intermediate_size"]  # no dense layer
+    text.update(overrides)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(seed)
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    model = Qwen3_5MoeForConditionalGeneration(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(path)
+    return path
+
+
 def load_oracle(path: Path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 

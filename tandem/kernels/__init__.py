@@ -16,6 +16,7 @@ _OPS: dict[str, Callable] = {
     "chunk_gated_delta_rule": reference.chunk_gated_delta_rule,
     "recurrent_gated_delta_step": reference.recurrent_gated_delta_step,
     "recurrent_gated_delta_block": reference.recurrent_gated_delta_block,
+    "moe_experts": reference.moe_experts,
 }
 
 
@@ -45,3 +46,7 @@ def recurrent_gated_delta_step(q, k, v, g, beta, state):
 
 def recurrent_gated_delta_block(q, k, v, g, beta, state):
     return _OPS["recurrent_gated_delta_block"](q, k, v, g, beta, state)
+
+
+def moe_experts(x, gate_up, down, top_w, top_i):
+    return _OPS["moe_experts"](x, gate_up, down, top_w, top_i)

@@ -34,3 +34,17 @@ def gdn_naive(q, k, v, g, beta, state):
         s = s + torch.einsum("hk,hv->hkv", kt, delta)
         outs.append(torch.einsum("hk,hkv->hv", qt, s))
     return torch.stack(outs), s
+
+
+def moe_naive(x, gate_up, down, top_w, top_i):
+    """The routed experts as transformers' Qwen3_5MoeExperts runs them: a loop over every expert,
+    in the input's dtype (not float64), so that the grouped op is held to torch.equal."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        rows, slot = torch.where(top_i == e)
+        if rows.numel() == 0:
+            continue
+        gate, up = F.linear(x[rows], gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[e]) * top_w[rows, slot, None]
+        out.index_add_(0, rows, y)
+    return out

@@ -1,9 +1,10 @@
-"""The ``hybrid`` adapter: Qwen3.5 (dense) and Qwen3-Next (MoE) checkpoints.
+"""The ``hybrid`` adapter: Qwen3.5 (dense), Qwen3.5-MoE and Qwen3-Next (MoE) checkpoints.
 
 Gated DeltaNet layers (recurrent state ``gdn.S`` in fp32 and a conv tail ``gdn.conv``) beside
 gated full-attention layers (views ``K`` and ``V``, one row a token). Weights are plain tensors
 applied with ``F.linear`` in the checkpoint's own row order; the math follows transformers'
-modeling_qwen3_5 / modeling_qwen3_next, which the tests hold it to within 1e-5 in fp32.
+modeling_qwen3_5 / modeling_qwen3_next / modeling_qwen3_5_moe (the experts: models/moe.py),
+which the tests hold it to within 1e-5 in fp32.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.models import checkpoint, fields, quant, rope
+from tandem.models import checkpoint, fields, moe, quant, rope
 from tandem.models.base import Cost, ModelError, ModelState, View
 
-SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
 
 log = structlog.get_logger()
@@ -47,7 +48,7 @@ class HybridConfig:
     linear_num_value_heads: int
     tie_word_embeddings: bool
     dtype: str
-    # Qwen3-Next's mixture of experts (num_experts 0 for a dense model)
+    # The mixture of experts, Qwen3-Next's and Qwen3.5-MoE's (num_experts 0 for a dense model)
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -66,7 +67,7 @@ class HybridConfig:
         if model_type not in SUPPORTED:
             raise ModelError(f"unknown model type {model_type!r}; the hybrid adapter reads "
                              f"{', '.join(SUPPORTED)}")
-        text = raw.get("text_config") if model_type == "qwen3_5" else None
+        text = raw.get("text_config") if model_type in ("qwen3_5", "qwen3_5_moe") else None
         # A real Qwen3.5 checkpoint nests the language model in text_config.
         cfg = dict(text) if isinstance(text, dict) else dict(raw)
         try:
@@ -107,13 +108,7 @@ class HybridConfig:
                                                  cfg.get("tie_word_embeddings", False))),
                 dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or raw.get("dtype")
                           or "float32"),
-                num_experts=int(cfg.get("num_experts", 0)) if model_type == "qwen3_next" else 0,
-                num_experts_per_tok=int(cfg.get("num_experts_per_tok", 0)),
-                moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0)),
-                shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
-                decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+                **moe.config_fields(model_type, cfg),
                 rope_type=rope_type,
                 rope_scaling=rope_scaling,
                 attention_bias=bool(cfg.get("attention_bias", False)),
@@ -215,7 +210,7 @@ class HybridModel:
         weights, report = checkpoint.read_weights(
             model_dir, lambda name: _model_name(name, config), dtype, fp8)
         model = cls(config, weights, dtype=dtype, source=model_dir)
-        del weights  # fused expert tensors the model split into its own copies
+        del weights  # what the model did not take over (it stacks the experts as it frees them)
         held = {t.data_ptr(): t for t in model.w.values()}.values()  # tied: one tensor
         log.info("checkpoint_loaded", model_type=config.model_type,
                  dtype=str(dtype).removeprefix("torch."),
@@ -267,16 +262,7 @@ class HybridModel:
                         shapes[f"{a}{proj}.bias"] = shapes[f"{a}{proj}.weight"][:1]
             m = p + "mlp."
             if c.is_moe_layer(i):
-                shapes[m + "gate.weight"] = (c.num_experts, h)
-                for e in range(c.num_experts):
-                    shapes[f"{m}experts.{e}.gate_proj.weight"] = (c.moe_intermediate_size, h)
-                    shapes[f"{m}experts.{e}.up_proj.weight"] = (c.moe_intermediate_size, h)
-                    shapes[f"{m}experts.{e}.down_proj.weight"] = (h, c.moe_intermediate_size)
-                si = c.shared_expert_intermediate_size
-                shapes[m + "shared_expert.gate_proj.weight"] = (si, h)
-                shapes[m + "shared_expert.up_proj.weight"] = (si, h)
-                shapes[m + "shared_expert.down_proj.weight"] = (h, si)
-                shapes[m + "shared_expert_gate.weight"] = (1, h)
+                shapes.update(moe.expected_shapes(m, c))
             else:
                 shapes[m + "gate_proj.weight"] = (c.intermediate_size, h)
                 shapes[m + "up_proj.weight"] = (c.intermediate_size, h)
@@ -284,18 +270,13 @@ class HybridModel:
         return shapes
 
     def _check_and_cast(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        weights = dict(weights)
         c = self.config
-        # transformers keeps experts fused in memory; a checkpoint may store them so.
+        # The experts are held stacked, as transformers holds them, for the grouped matmuls.
+        # Each expert's tensors leave the caller's dict (the model owns it) as they are copied
+        # in, so that the load's peak is the stacks plus one expert, not two copies of them all.
         for i in range(len(c.layer_types)):
-            m = f"layers.{i}.mlp.experts."
-            if m + "gate_up_proj" in weights:
-                gate_up, down = weights.pop(m + "gate_up_proj"), weights.pop(m + "down_proj")
-                for e in range(gate_up.shape[0]):
-                    g, u = gate_up[e].chunk(2, dim=0)
-                    weights[f"{m}{e}.gate_proj.weight"] = g
-                    weights[f"{m}{e}.up_proj.weight"] = u
-                    weights[f"{m}{e}.down_proj.weight"] = down[e]
+            if c.is_moe_layer(i):
+                moe.fuse_experts(weights, f"layers.{i}.mlp.", c, self.dtype)
         out = {}
         for name, shape in self._expected_shapes().items():
             t = weights.get(name)
@@ -332,8 +313,10 @@ class HybridModel:
         row = 2 * len(self.attn_layers) * c.num_key_value_heads * c.head_dim * el
         inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1),
                     c.shared_expert_intermediate_size)
-        # Activations of one chunk token: residual, norms, projections, MLP (fp32 upper bound).
-        per_token = 4 * (8 * c.hidden_size + 3 * inter + 3 * c.conv_dim + 2 * c.value_dim)
+        # Activations of one chunk token: residual, norms, projections, MLP (fp32 upper bound),
+        # and a MoE token's k routed copies of its row with their outputs.
+        per_token = 4 * (8 * c.hidden_size + 3 * inter + 3 * c.conv_dim + 2 * c.value_dim
+                         + 2 * c.num_experts_per_tok * c.hidden_size)
         # Attention scores of a chunk against the whole window, the largest single buffer.
         scores = 4 * c.num_attention_heads * prefix_chunk * window
         floor = 32 << 20
@@ -348,7 +331,7 @@ class HybridModel:
             "config": json.dumps(self.config.__dict__, sort_keys=True, default=list),
             "dtype": str(self.dtype),
             "weights": self._weights_digest,
-            "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), reference),
+            "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), moe, reference),
         }
 
     # -- forward ---------------------------------------------------------------------------
@@ -418,20 +401,7 @@ class HybridModel:
                         * F.linear(h, w[p + "up_proj.weight"]), w[p + "down_proj.weight"])
 
     def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        c, w, p = self.config, self.w, f"layers.{i}.mlp."
-        logits = F.linear(h, w[p + "gate.weight"])
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top_w, top_i = torch.topk(probs, c.num_experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        top_w = top_w.to(h.dtype)
-        out = torch.zeros_like(h)
-        for e in torch.unique(top_i).tolist():
-            rows, slot = torch.where(top_i == e)
-            y = self._mlp(f"{p}experts.{e}.", h[rows]) * top_w[rows, slot, None]
-            out.index_add_(0, rows, y)
-        shared = self._mlp(p + "shared_expert.", h)
-        return out + torch.sigmoid(F.linear(h, w[p + "shared_expert_gate.weight"])) * shared
+        return moe.sparse_moe(h, self.w, f"layers.{i}.mlp.", self.config)
 
     def _gdn(self, i: int, h: torch.Tensor, state: ModelState, mode: str,
              steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:

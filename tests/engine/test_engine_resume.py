@@ -44,7 +44,7 @@ def _assert_same_state(a: Engine, b: Engine, n: int) -> None:
         assert torch.equal(sa.views[k].rows(0, n), sb.views[k].rows(0, n)), k
 
 
-@pytest.fixture(params=["qwen3_5", "qwen3_next", "third"])
+@pytest.fixture(params=["qwen3_5", "qwen3_next", "qwen3_5_moe", "third"])
 def model(request):
     if request.param == "third":
         return ThirdModel()

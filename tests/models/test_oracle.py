@@ -32,7 +32,7 @@ def _oracle_greedy(oracle, prompt: list[int], steps: int) -> tuple[torch.Tensor,
     return first_logits, tokens
 
 
-@pytest.mark.parametrize("which", ["qwen3_5_dir", "qwen3_next_dir"])
+@pytest.mark.parametrize("which", ["qwen3_5_dir", "qwen3_next_dir", "qwen3_5_moe_dir"])
 def test_prefill_logits_match_transformers_within_1e_5_at_every_cut(which, request):
     path = request.getfixturevalue(which)
     model, oracle = HybridModel.load(path), load_oracle(path)
@@ -50,7 +50,7 @@ def test_prefill_logits_match_transformers_within_1e_5_at_every_cut(which, reque
         assert (logits - ref[cut - 1]).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("which", ["qwen3_5_dir", "qwen3_next_dir"])
+@pytest.mark.parametrize("which", ["qwen3_5_dir", "qwen3_next_dir", "qwen3_5_moe_dir"])
 def test_greedy_decode_writes_the_oracles_tokens_for_32_steps(which, request):
     path = request.getfixturevalue(which)
     model, oracle = HybridModel.load(path), load_oracle(path)
