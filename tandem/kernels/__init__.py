@@ -13,6 +13,7 @@ from tandem.kernels import reference
 
 _OPS: dict[str, Callable] = {
     "causal_conv1d": reference.causal_conv1d,
+    "causal_conv1d_step": reference.causal_conv1d_step,
     "chunk_gated_delta_rule": reference.chunk_gated_delta_rule,
     "recurrent_gated_delta_step": reference.recurrent_gated_delta_step,
     "recurrent_gated_delta_block": reference.recurrent_gated_delta_block,
@@ -34,6 +35,10 @@ def implementation(name: str) -> Callable:
 
 def causal_conv1d(x, tail, weight):
     return _OPS["causal_conv1d"](x, tail, weight)
+
+
+def causal_conv1d_step(x, tail, weight):
+    return _OPS["causal_conv1d_step"](x, tail, weight)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state):

@@ -59,3 +59,16 @@ def test_causal_conv_matches_the_per_token_loop_and_keeps_the_tail(seq_len):
     y = reference.causal_conv1d(x, t, weight)
     assert torch.allclose(y.double(), want_y, atol=1e-5)
     assert torch.allclose(t.double(), want_tail, atol=0)
+
+
+def test_the_decode_conv_step_matches_the_per_token_loop_and_keeps_the_tail_token_after_token():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(20, 384, generator=gen)
+    tail = torch.randn(384, 3, generator=gen)
+    weight = torch.randn(384, 4, generator=gen)
+    want_y, want_tail = conv_naive(x, tail, weight)
+    t = tail.clone()
+    y = torch.cat([reference.causal_conv1d_step(x[i:i + 1], t, weight) for i in range(20)])
+    assert y.shape == (20, 384)
+    assert torch.allclose(y.double(), want_y, atol=1e-5)
+    assert torch.equal(t.double(), want_tail)
