@@ -24,12 +24,6 @@ from tandem.models.base import Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
-# Up to this hidden size a decode token's head reads a transposed copy of the head: on a CPU the
-# matvec over [hidden, vocab] (BLAS's column-combining GEMV) reads 32-36 GB/s at hidden 256 on
-# 2 cores where the row-dot GEMV over [vocab, hidden] reads 25-27 (numpy's, the same: 24-25);
-# at hidden 1,024 both read about 30, too little gain for a second copy of the head
-# (scripts/bench_decode.py prints both).
-DECODE_HEAD_T_MAX_HIDDEN = 512
 
 log = structlog.get_logger()
 
@@ -201,13 +195,6 @@ class HybridModel:
         self._slot = {i: n for n, i in enumerate(self.gdn_layers)}
         self._slot.update({i: n for n, i in enumerate(self.attn_layers)})
         self.w = self._check_and_cast(weights)
-        # Decode's head only: prefill and verify keep reading lm_head.weight, their bits as they
-        # were. None: decode reads lm_head.weight too (the bench sets it to time the old path).
-        self.head_t: torch.Tensor | None = None
-        head = self.w["lm_head.weight"]
-        if (config.hidden_size <= DECODE_HEAD_T_MAX_HIDDEN and head.device.type == "cpu"
-                and head.dtype == torch.float32):
-            self.head_t = head.t().contiguous()
         self.inv_freq, self.rope_scale = rope.inv_freq(config.rope_type, config.rope_scaling,
                                                        config.rope_theta, config.rotary_dim)
 
@@ -371,8 +358,6 @@ class HybridModel:
                 rows = rms_norm(x[a:b], self.w["norm.weight"], eps)
                 on_logits(a, F.linear(rows, self.w["lm_head.weight"]).float())
         last = rms_norm(x[-1:], self.w["norm.weight"], eps)
-        if decode and self.head_t is not None:
-            return torch.mm(last, self.head_t).float()[0]
         return F.linear(last, self.w["lm_head.weight"]).float()[0]
 
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
