@@ -4,9 +4,8 @@ field tandem_forced_output; every later turn must resume at the end anchor (gree
 states were written by decoding), through the end alignment where the client's copy differs
 from the rows (re-tokenised text, compacted tool-call JSON, stripped reasoning)."""
 
-import json
-
 import pytest
+from opencode_copy import opencode_copy
 
 from tandem.server.app import build_app
 from tandem.server.keys import CACHE_STATS
@@ -62,14 +61,7 @@ async def test_an_opencode_conversation_resumes_every_turn_at_the_end_anchor(ser
     prompt_before = first.usage.prompt_tokens
     for turn, result in enumerate(results):
         # opencode sends the reasoning back as reasoning_content and the arguments compacted.
-        call = msg.tool_calls[0]
-        args = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
-        messages += [{"role": "assistant", "content": msg.content or "",
-                      "reasoning_content": msg.model_extra["reasoning_content"],
-                      "tool_calls": [{"id": call.id, "type": "function",
-                                      "function": {"name": call.function.name,
-                                                   "arguments": args}}]},
-                     {"role": "tool", "tool_call_id": call.id, "content": result}]
+        messages += opencode_copy(msg, result)
         resp = await _chat(client, messages, f"Step {turn + 2}: run the tests.\n</think>\n\n"
                            "<tool_call>\n{\"name\": \"bash\", \"arguments\": {\"filePath\": "
                            "\"pytest -q\"}}\n</tool_call>", tools=TOOLS, extra_headers=headers)

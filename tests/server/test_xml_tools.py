@@ -12,7 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from opencode_copy import opencode_copy
 from small_hybrid import make_small_hybrid
+
 from tandem.models import load_model
 from tandem.server.app import build_app
 
@@ -190,14 +192,7 @@ async def test_an_opencode_turn_after_an_xml_call_resumes_at_the_end_anchor(serv
     results = ["def add(a, b):\n    return a - b\n", "1 failed: test_add expected 3 got -1",
                "fixed"]
     for turn, result in enumerate(results):
-        call = msg.tool_calls[0]
-        args = json.dumps(json.loads(call.function.arguments), separators=(",", ":"))
-        messages += [{"role": "assistant", "content": msg.content or "",
-                      "reasoning_content": msg.model_extra["reasoning_content"],
-                      "tool_calls": [{"id": call.id, "type": "function",
-                                      "function": {"name": call.function.name,
-                                                   "arguments": args}}]},
-                     {"role": "tool", "tool_call_id": call.id, "content": result}]
+        messages += opencode_copy(msg, result)
         # the second answer calls from inside its unclosed reasoning, as Qwen3.5 does: its
         # copy has a </think> the rows lack
         think_close = "\n\n" if turn == 1 else "\n</think>\n\n"
