@@ -538,14 +538,22 @@ class EngineActor(Actor):
         self._preparing = self._loop.create_task(self._complete(job, fut.result()))
 
     async def _complete(self, job: _Job, halfway: _Halfway) -> None:
-        put = halfway.put
-        verdict = None
-        if put is not None:
-            reply = await self._ask_store(StoreAdmit(put.key_ids, "session", put.nbytes,
-                                                     put.namespace))
-            verdict = reply.verdict if reply is not None else "refused"
-        self._running = self._loop.run_in_executor(self._executor, self._execute_rest, halfway,
-                                                   verdict)
+        """The session put's admission, then the rest on the thread. Whatever fails here
+        fails the job (its holdings go back in _done): the capture lock is never left held."""
+        try:
+            put = halfway.put
+            verdict = None
+            if put is not None:
+                reply = await self._ask_store(StoreAdmit(put.key_ids, "session", put.nbytes,
+                                                         put.namespace))
+                verdict = reply.verdict if reply is not None else "refused"
+            self._running = self._loop.run_in_executor(self._executor, self._execute_rest,
+                                                       halfway, verdict)
+        except Exception as exc:
+            fut: asyncio.Future[Any] = self._loop.create_future()
+            fut.set_exception(exc)
+            self._done(job, fut)
+            return
         self._running.add_done_callback(lambda fut: self._done(job, fut))
 
     def _execute_rest(self, halfway: _Halfway, verdict: str | None) -> "_Outcome":
