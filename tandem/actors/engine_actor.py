@@ -237,6 +237,7 @@ class EngineActor(Actor):
         # The loop's part of the running job (the plan being made, or its session put being
         # admitted between the thread's two parts).
         self._preparing: asyncio.Task[None] | None = None
+        self._plan_taken = False  # engine thread only: the running plan reached the planner
         self._make_engine = make_engine
         self._make_resident = make_resident
         self.resident: ResidentPrefix | None = None
@@ -575,6 +576,13 @@ class EngineActor(Actor):
         lent: dict[str, Any] = {}
         planned: dict[str, Any] = {"entry": None, "lines": {}}
         try:
+            _sampling(job.generation_params)  # a bad value fails this request before any ask
+        except ValueError as exc:
+            fut: asyncio.Future[Any] = self._loop.create_future()
+            fut.set_exception(exc)
+            self._done(job, fut)
+            return
+        try:
             r = await resident.ask(OfferTiers(job.request_id, list(job.prompt_ids), self._rows,
                                               job.namespace), TIER_ASK_S, sender=self)
             lent["resident"] = r.holdings
@@ -747,10 +755,15 @@ class EngineActor(Actor):
     def _execute(self, job: _Job, plan: PrefillPlan | None = None) -> "_Outcome":
         """On the engine thread: the generation, then the rows it left in place and their
         taint handed to the loop, whether it finished or failed."""
+        self._plan_taken = False
         try:
             # With a plan, the composer holds the lent tiers (the loop lent them in _prepare
             # and gives them back in _done).
             return self._generate(job, plan)
+        except BaseException:
+            if plan is not None and not self._plan_taken:
+                self._unplan({"entry": plan.store_entry, "lines": plan.store_lines})
+            raise
         finally:
             self._hand_over_rows()
 
@@ -856,6 +869,9 @@ class EngineActor(Actor):
                 planner.on_chunk(end)
                 if end in lines and end in resident.anchors:
                     self._anchor_written(job, end)
+        # From here the planner answers for the plan's store lease and rooms (it gives them
+        # back, on a failure too); a failure before leaves them to _execute.
+        self._plan_taken = True
         try:
             resume = planner.begin(served, params.max_tokens, job.session, job.namespace,
                                    plan=plan)

@@ -62,16 +62,16 @@ class Planner:
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
         if plan is not None:
+            if self.store is not None:
+                # First: from here a failure's abort gives the admitted rooms back.
+                self.store.admitted(plan.store_lines, namespace)
             resume = self._restore_planned(served, max_tokens, session, namespace, plan)
         else:
             resume = self._restore(served, max_tokens, session, namespace)
+            if self.store is not None:
+                self.store.plan_prefix(served, resume.start, namespace)
         if self.governor is not None and resume.start >= len(served):
             self.governor.after_prefill()  # nothing to forward: no chunk ends this prefill
-        if self.store is not None:
-            if plan is not None:
-                self.store.admitted(plan.store_lines, namespace)
-            else:
-                self.store.plan_prefix(served, resume.start, namespace)
         return resume
 
     def _restore_planned(self, served: Sequence[int], max_tokens: int, session: str | None,

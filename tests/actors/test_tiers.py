@@ -298,3 +298,21 @@ async def test_the_plan_carries_the_moves_decided_on_the_loop(monkeypatch):
     assert moves["a2"].kind == "park" and moves["a2"].park_above == 32
     assert moves["c"].pin_head and moves["c"].kind == "move"
     assert all(plan.keep_end == (plan.moves.kind != "guest") for plan in plans)
+
+
+async def test_a_request_with_a_bad_parameter_fails_before_any_tier_is_asked():
+    """Its sampling parameters are checked on the loop first: nothing is lent or reserved for
+    a request the engine thread would refuse (a lease it never took would stay out)."""
+    harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
+    client = harness.probe("client")
+    _system(harness)
+    async with harness:
+        await harness.ask("engine", Generate("bad", _prompt(20, 1),
+                                             GenerationParams(max_tokens=2, top_p=2.0),
+                                             reply_to=client))
+        failed = await client.expect(GenerationFailed, 10)
+        stats = await harness.ask("resident", GetTierStats())
+        _, done = await _run(harness, client, "good", _prompt(20, 1))
+    assert failed.reason == "model_error"
+    assert stats.stats["lent_total"] == 0 and stats.lent_to is None
+    assert isinstance(done, GenerationFinished)
