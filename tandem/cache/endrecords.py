@@ -16,7 +16,7 @@ answers, the hidden spans) of another.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tandem.cache.endalign import Alignment, EndRecord, align
 from tandem.cache.namespace import SHARED, Namespace
@@ -68,11 +68,12 @@ class EndRecords:
         return None
 
     def align_in_place(self, prompt: list[int], namespace: Namespace = SHARED
-                       ) -> tuple[Alignment | None, list[tuple[Alignment, list[int]]]]:
+                       ) -> tuple[Alignment | None, Iterator[tuple[Alignment, list[int]]]]:
         """``align``'s first half, which asks nobody: the alignment with an end in place or
         parked (counted), else the recent turns' alignments, newest first, each with the rows
         the store must hold as a session snapshot for it to be served
-        (``aligned_to_store`` once the store said it does)."""
+        (``aligned_to_store`` once the store said it does). The recent ones are made as they
+        are read: a caller that stops at the first the store holds aligns no further."""
         resident = self.resident
         candidates = []
         if resident.end is not None and self.record is not None \
@@ -87,19 +88,21 @@ class EndRecords:
         for record in candidates:
             alignment = self._align(record, prompt)
             if alignment is not None:
-                return self._count(alignment), []
+                return self._count(alignment), iter(())
         if not self.store_backed:
-            return None, []
-        # Then the recent turns whose ends have gone (a third conversation took the park):
-        # their session snapshots may still be in the store.
-        recent = []
-        for record_namespace, record in reversed(self.recent):
-            if record_namespace != namespace or any(record is tried for tried in candidates):
+            return None, iter(())
+        return None, self._recent_alignments(prompt, namespace, candidates)
+
+    def _recent_alignments(self, prompt: list[int], namespace: Namespace,
+                           tried: list[EndRecord]) -> Iterator[tuple[Alignment, list[int]]]:
+        """The recent turns whose ends have gone (a third conversation took the park): their
+        session snapshots may still be in the store."""
+        for record_namespace, record in reversed(list(self.recent)):
+            if record_namespace != namespace or any(record is t for t in tried):
                 continue
             alignment = self._align(record, prompt)
             if alignment is not None:
-                recent.append((alignment, record.rows))
-        return None, recent
+                yield alignment, record.rows
 
     def aligned_to_store(self, alignment: Alignment) -> Alignment:
         self.stored += 1
