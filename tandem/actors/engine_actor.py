@@ -150,8 +150,8 @@ class EngineView(msgspec.Struct, frozen=True):
 
 
 class _Job:
-    """One accepted generation. ``generated`` and ``phase`` are the engine thread's own (the
-    index it gives each token); the loop never reads them, it counts what it delivers."""
+    """One accepted generation. ``generated`` is the engine thread's own (the index it gives
+    each token); the loop never reads it, it counts what it delivers (the view's)."""
 
     def __init__(self, msg: Generate, accepted_s: float) -> None:
         self.request_id = msg.request_id
@@ -165,7 +165,6 @@ class _Job:
         self.accepted_s = accepted_s
         self.started_s: float | None = None
         self.cancel = threading.Event()
-        self.phase = "waiting"  # waiting -> prefill -> decode
         self.generated = 0
 
 
@@ -812,7 +811,6 @@ class EngineActor(Actor):
             nonlocal entry
             index = job.generated
             job.generated = index + 1
-            job.phase = "decode"
             hidden = budget is not None and index in budget.hidden_positions
             self._post(job, TokenGenerated(job.request_id, token_id, index, hidden, entry))
             entry = None
