@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from generation_run import run_generation
 
 from tandem.actors.engine_actor import EngineActor
-from tandem.actors.engine_messages import (
-    Generate,
-    GenerationFailed,
-    GenerationFinished,
-    GenerationParams,
-    TokenGenerated,
-)
+from tandem.actors.engine_messages import GenerationFailed, GenerationFinished
 from tandem.actors.harness import Harness
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.resident import ResidentPrefix
@@ -63,17 +58,6 @@ def _cold(prompt: list[int], max_tokens: int) -> tuple[list[int], dict[str, torc
     return out, {k: v.clone() for k, v in engine.cache_state().sections.items()}
 
 
-async def _run(harness, client, request_id, prompt, max_tokens):
-    await harness.ask("engine", Generate(request_id, list(prompt),
-                                         GenerationParams(max_tokens=max_tokens),
-                                         reply_to=client))
-    tokens = []
-    while True:
-        received = await client.expect((TokenGenerated, GenerationFinished, GenerationFailed), 10)
-        if isinstance(received, TokenGenerated):
-            tokens.append(received.token_id)
-        else:
-            return tokens, received
 
 
 @pytest.mark.parametrize("caches", [True, False])
@@ -92,7 +76,7 @@ async def test_a_failed_forward_fails_its_request_and_the_next_is_served_from_so
     actor = harness.add(EngineActor("engine", make_engine=make_engine,
                                     make_resident=_resident if caches else None))
     async with harness:
-        _, done = await _run(harness, client, "a", PROMPT, 4)
+        _, done = await run_generation(harness, client, "a", PROMPT, 4)
         assert isinstance(done, GenerationFinished)
         # b shares a's prompt but not its answer: with caches it resumes at the anchor at 32
         # (below the decoded rows: every anchor b takes is a cold prefill's) and its chunks end
@@ -100,7 +84,7 @@ async def test_a_failed_forward_fails_its_request_and_the_next_is_served_from_so
         follow = PROMPT + MORE
         forwards = (3 if caches else 5) + (1 if where == "decode" else 0)
         model.fail_at = {model.calls + forwards}
-        _, failed = await _run(harness, client, "b", follow, 3)
+        _, failed = await run_generation(harness, client, "b", follow, 3)
         assert isinstance(failed, GenerationFailed)
         assert (failed.reason, failed.request_id) == ("engine_error", "b")
         engine = built[0]
@@ -113,7 +97,7 @@ async def test_a_failed_forward_fails_its_request_and_the_next_is_served_from_so
             assert engine.length == 0
         # The next request runs, and resumes where the rows are sound: at the anchor with
         # caches, from token 0 without; never over what b half wrote.
-        tokens, done = await _run(harness, client, "c", follow, 1)
+        tokens, done = await run_generation(harness, client, "c", follow, 1)
         assert isinstance(done, GenerationFinished)
         assert (done.reused_tokens, done.cache_source) == \
             ((64, "resident") if caches else (0, "cold"))

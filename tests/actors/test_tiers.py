@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from generation_run import run_generation
 
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import (Generate, GenerationFailed, GenerationFinished,
@@ -51,17 +52,6 @@ def _system(harness: Harness, model=None):
     return resident, park, engine, engines
 
 
-async def _run(harness, client, request_id, prompt, max_tokens=4, session=None):
-    await harness.ask("engine", Generate(request_id, list(prompt),
-                                         GenerationParams(max_tokens=max_tokens),
-                                         reply_to=client, session=session))
-    tokens = []
-    while True:
-        got = await client.expect((TokenGenerated, GenerationFinished, GenerationFailed), 20)
-        if isinstance(got, TokenGenerated):
-            tokens.append(got.token_id)
-        else:
-            return tokens, got
 
 
 async def test_a_generate_goes_through_offers_a_plan_anchor_tells_and_generation_ended():
@@ -70,10 +60,10 @@ async def test_a_generate_goes_through_offers_a_plan_anchor_tells_and_generation
     resident, park, _, _ = _system(harness)
     prompt = _prompt(40, 1)
     async with harness:
-        _, done = await _run(harness, client, "a", prompt)
+        _, done = await run_generation(harness, client, "a", prompt)
         assert isinstance(done, GenerationFinished)
         follow = prompt + [5, 6, 7] + _prompt(30, 2)
-        _, done = await _run(harness, client, "b", follow)
+        _, done = await run_generation(harness, client, "b", follow)
         await asyncio.sleep(0)  # the give-back tells are queued before the finish event
         stats = await harness.ask("resident", GetTierStats())
     entries = [(e.type, e.sender, e.receiver) for e in harness.trace.entries()]
@@ -164,7 +154,7 @@ async def test_two_sessions_and_guests_alternating_hard_keep_every_tier_sound():
     async with harness:
         task = asyncio.create_task(hammer())
         for n, (session, prompt) in enumerate(turns):
-            tokens, done = await _run(harness, client, f"r{n}", prompt, 3, session)
+            tokens, done = await run_generation(harness, client, f"r{n}", prompt, 3, session)
             assert isinstance(done, GenerationFinished), done
             outs.append(tokens)
         stop.set()
@@ -232,7 +222,7 @@ async def test_the_governor_admits_a_plan_on_the_loop_shedding_lent_tiers_or_ref
     memory, governor, process = _governed(harness)
     first = _prompt(80, 1)
     async with harness:
-        _, done = await _run(harness, client, "a", first)
+        _, done = await run_generation(harness, client, "a", first)
         assert isinstance(done, GenerationFinished)
         anchors = memory.held["anchors"]
         assert anchors > 0
@@ -252,14 +242,14 @@ async def test_the_governor_admits_a_plan_on_the_loop_shedding_lent_tiers_or_ref
         governor.set_limits(MemoryLimits(
             base - anchors - memory.held["prompt_end"] + 1, base + workspace - anchors
             - memory.held["prompt_end"], 1))
-        _, done = await _run(harness, client, "b", _prompt(100, 2))
+        _, done = await run_generation(harness, client, "b", _prompt(100, 2))
         assert isinstance(done, GenerationFinished)
         plans = [e for e in harness.trace.entries() if e.type == "PrefillPlan"]
         assert len(plans) == 2
         # Shed by the admission itself, on the loop, before the plan went to the thread.
         assert admitted[0]["anchors"] == 1 and admitted[0]["prompt_end"] == 1
         governor.set_limits(MemoryLimits(process.BASE // 4, process.BASE // 2, 1))
-        _, failed = await _run(harness, client, "c", _prompt(100, 3))
+        _, failed = await run_generation(harness, client, "c", _prompt(100, 3))
         await asyncio.sleep(0)
         stats = await harness.ask("resident", GetTierStats())
     assert isinstance(failed, GenerationFailed) and failed.reason == "no_memory"
@@ -285,11 +275,11 @@ async def test_the_plan_carries_the_moves_decided_on_the_loop(monkeypatch):
     head = _prompt(33, 9)
     a, b = head + _prompt(70, 4), head + _prompt(60, 5)
     async with harness:
-        await _run(harness, client, "a1", a, session="a")
-        await _run(harness, client, "b1", b, session="b")  # parks a's rows above 32
-        await _run(harness, client, "g", _prompt(10, 6))  # a guest over a stash
-        tokens, _ = await _run(harness, client, "a2", a + [1, 2], session="a")  # a comes back
-        await _run(harness, client, "c", _prompt(120, 7), session="a")  # a compaction
+        await run_generation(harness, client, "a1", a, session="a")
+        await run_generation(harness, client, "b1", b, session="b")  # parks a's rows above 32
+        await run_generation(harness, client, "g", _prompt(10, 6))  # a guest over a stash
+        tokens, _ = await run_generation(harness, client, "a2", a + [1, 2], session="a")  # a comes back
+        await run_generation(harness, client, "c", _prompt(120, 7), session="a")  # a compaction
     moves = {plan.request_id: plan.moves for plan in plans}
     assert moves["a1"].kind == "extend" and moves["a1"].restore is None  # nothing in place
     assert moves["b1"].kind == "move" and moves["b1"].park_above == 32
@@ -312,7 +302,7 @@ async def test_a_request_with_a_bad_parameter_fails_before_any_tier_is_asked():
                                              reply_to=client))
         failed = await client.expect(GenerationFailed, 10)
         stats = await harness.ask("resident", GetTierStats())
-        _, done = await _run(harness, client, "good", _prompt(20, 1))
+        _, done = await run_generation(harness, client, "good", _prompt(20, 1))
     assert failed.reason == "model_error"
     assert stats.stats["lent_total"] == 0 and stats.lent_to is None
     assert isinstance(done, GenerationFinished)
