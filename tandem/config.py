@@ -108,6 +108,13 @@ class EngineConfig(_Section):
         "cache anchors sit on these grid lines."))] = 1024
     num_threads: Annotated[int, Meta(ge=0, description=(
         "torch CPU threads (0: torch's default); recorded, since results depend on it."))] = 0
+    parallel: Annotated[int, Meta(ge=1, le=64, description=(
+        "Slots: conversations held in place at once, each a sequence of its own (rows, "
+        "recurrent state, anchors, end anchor). A request goes to the slot of its session, "
+        "else the one it continues or shares most, else an idle one; a conversation that "
+        "leaves a slot is parked. Rows are backed as a slot grows. On a GPU size it to the "
+        "memory left after the weights over one conversation's rows at its usual length."
+        ))] = 4
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
         "Weights and activations dtype; auto: float32 on a CPU, bfloat16 on a GPU."
         ))] = "auto"

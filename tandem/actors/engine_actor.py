@@ -57,6 +57,7 @@ from tandem.actors.engine_messages import (
     TokenGenerated,
 )
 from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
+from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
@@ -89,6 +90,14 @@ RECENT_DURATIONS = 32
 # The memory levels the resident and the park hold (tandem/cache/memory.py LEVELS less the store).
 TIER_LEVELS = ("prompt_end", "anchors", "end", "stash", "park", "pin")
 TIER_ASK_S = 30.0  # a tier's offer is a few microseconds of its handler; past this it is stuck
+
+
+# The resident's counters and bytes each slot keeps of its own, summed over the slots in
+# /v1/cache/stats (the park's and the pin's are one tier's, shared, and counted once).
+SLOT_COUNTERS = ("anchor_bytes", "anchors_taken", "evictions", "hits", "cold", "ends",
+                 "end_hits", "end_absorbed", "prompt_ends", "prompt_end_hits",
+                 "prompt_end_bytes", "guests", "guest_refused", "stash_bytes", "replays",
+                 "aligned_to_store")
 
 
 class EngineBroken(RuntimeError):
@@ -147,6 +156,7 @@ class EngineView(msgspec.Struct, frozen=True):
     prefix_chunk: int | None = None
     num_threads: int | None = None
     request: RequestView | None = None
+    slot: int = 0  # the slot whose rows these are: the running job's, or the last one's
 
 
 class _Job:
@@ -164,6 +174,9 @@ class _Job:
         self.forced_ids = p.forced_ids
         self.accepted_s = accepted_s
         self.started_s: float | None = None
+        self.slot = 0  # the slot the resident placed it in (tandem/cache/slots.py)
+        self.placed = "only"
+        self.parked_before: object = None  # the park's conversation before it ran
         self.cancel = threading.Event()
         self.generated = 0
 
@@ -206,7 +219,8 @@ class EngineActor(Actor):
                  tokenizer: Any = None, end_align: bool = True,
                  end_align_reasoning: bool = True, queue_limit: int = 16, retry_after_s: float = 1.0,
                  speculation: str = "off", draft_max: int = 8, suffix: SuffixActor | None = None,
-                 tiers: tuple[ResidentActor, ParkActor] | None = None,
+                 tiers: tuple[ResidentActor, ParkActor] | None = None, parallel: int = 1,
+                 governor_actor: Actor | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -226,12 +240,33 @@ class EngineActor(Actor):
         when a job gets the engine they are asked for their offers and lend their holdings
         to the composer ``make_resident`` built (``ResidentPrefix.lent_to``) for that
         generation, after the `PrefillPlan` was built on the loop (None: the composer holds
-        its own tiers on the engine thread)."""
+        its own tiers on the engine thread);
+        ``parallel``: slots, the sequences held in place at once (tandem/cache/slots.py: the
+        resident actor places each request in one and lends that slot's holdings; with
+        ``tiers`` only). A slot's engine shares the model and is built when first placed;
+        ``governor_actor`` is told the bytes of the rows every slot holds (`TierHeld`)."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._tiers = tiers
-        # The rows in place and their namespace as the last generation left them: what the
-        # tiers' offers are made over (written by the loop, from the engine thread's hand-off).
-        self._rows: list[int] = []
+        if parallel < 1 or (parallel > 1 and tiers is None):
+            raise ValueError("parallel slots need at least one slot and the tier actors")
+        self.parallel = parallel
+        # Every slot's rows in place, their taint and namespace as the last generation on it
+        # left them: what the tiers' offers and the placement are made over (written by the
+        # loop, from the engine thread's hand-off). ``_slot`` is the slot of the job that holds
+        # the capture lock, or of the last one (one job runs at a time).
+        self._slot_rows: list[list[int]] = [[] for _ in range(parallel)]
+        self._slot_taint: list[int | None] = [None] * parallel
+        self._slot_namespace: list[Namespace] = [SHARED] * parallel
+        self._slot = 0
+        self.engines: list[Engine | None] = [None] * parallel
+        self._slot_stats: list[dict | None] = [None] * parallel  # each slot's last counters
+        # The rows each slot has backed, in whole blocks of grid rows (its high water since
+        # it was last released), and one row's bytes over every view.
+        self._slot_backed: list[int] = [0] * parallel
+        self._row_nbytes = 0
+        self.governor_actor = governor_actor
+        # The slot the parked conversation was parked from (its head is in that slot's rows).
+        self._park_slot: int | None = None
         self._plans: dict[str, PrefillPlan] = {}  # the running job's, until GenerationEnded
         # The loop's part of the running job (the plan being made, or its session put being
         # admitted between the thread's two parts).
@@ -281,12 +316,31 @@ class EngineActor(Actor):
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def slot_rows_nbytes(self) -> int:
+        """The bytes of the rows every slot has backed (what the governor is told)."""
+        return sum(self._slot_backed) * self._row_nbytes
+
+    def _blocks(self, rows: int) -> int:
+        """``rows`` rounded up to whole blocks of grid rows."""
+        chunk = self.view.prefix_chunk or 1
+        return -(-rows // chunk) * chunk
+
+    def _report_slots(self) -> None:
+        if self.governor_actor is None:
+            return
+        try:
+            self.governor_actor.try_tell(TierHeld("slots", {"slots": self.slot_rows_nbytes()}),
+                                         sender=self)
+        except (MailboxFull, ActorStopped):
+            log.warning("tier_held_dropped", tier="slots")
+
     async def on_start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
         try:
             self.engine = await self._loop.run_in_executor(self._executor, self._build)
             self.view = await self._loop.run_in_executor(self._executor, self._engine_view)
+            self._row_nbytes = self.engine.cost().row_nbytes
         except BaseException:
             self._executor.shutdown(wait=False, cancel_futures=True)
             raise
@@ -294,6 +348,7 @@ class EngineActor(Actor):
     def _build(self) -> Engine:
         """On the engine thread: the engine and the caches that own copies of its state."""
         engine = self._make_engine()
+        self.engines[0] = engine
         if self._make_resident is not None:
             self.resident = self._make_resident(engine)
             if self._make_store is not None:
@@ -313,6 +368,36 @@ class EngineActor(Actor):
             self.governor.attach(MemoryAccountant({}), {}, engine.cost())  # workspace only
         return engine
 
+    @property
+    def _rows(self) -> list[int]:
+        """The rows in place of the active slot, as the loop last saw them."""
+        return self._slot_rows[self._slot]
+
+    @_rows.setter
+    def _rows(self, rows: list[int]) -> None:
+        self._slot_rows[self._slot] = rows
+
+    def _build_slot(self, index: int) -> Engine:
+        """On the engine thread: a slot's sequence over the same model (its own buffers)."""
+        first = self.engines[0]
+        engine = Engine(first.model, window=first.window, prefix_chunk=first.prefix_chunk)
+        self.engines[index] = engine
+        return engine
+
+    async def _use_slot(self, index: int) -> None:
+        """On the loop, while this job holds the capture lock (the engine thread is idle): the
+        composer, the planner and the store's engine side are pointed at slot ``index``."""
+        if self.engines[index] is None:
+            await self._loop.run_in_executor(self._executor, self._build_slot, index)
+        self._slot = index
+        engine = self.engines[index]
+        self.engine = engine
+        for part in (self.resident, self.planner, self.store):
+            if part is not None:
+                part.engine = engine
+        self.view = msgspec.structs.replace(self.view, rows_in_place=len(self._rows),
+                                            taint=self._slot_taint[index], slot=index)
+
     def _engine_view(self) -> EngineView:
         """On the engine thread: the engine as it stands, for the loop to publish."""
         engine = self.engine
@@ -329,7 +414,7 @@ class EngineActor(Actor):
             resident["aligned_to_store"] = ends.stored if ends is not None else 0
             # The store's counters are asked of its actor (/v1/cache/stats), not asked for
             # from here after every request.
-            self._to_loop(self._set_cache_stats, {"tiers": {"resident": resident}})
+            self._to_loop(self._set_cache_stats, {"tiers": {"resident": resident}}, self._slot)
 
     def _end_records(self) -> EndRecords | None:
         """The end records: the resident's (in its holdings, while they are lent), or the
@@ -338,8 +423,30 @@ class EngineActor(Actor):
             return self.resident.holdings.records
         return self.ends
 
-    def _set_cache_stats(self, stats: dict) -> None:
-        self.cache_stats = stats
+    def _set_cache_stats(self, stats: dict, slot: int = 0) -> None:
+        """On the loop: the slot's counters as its last generation left them; the resident's
+        are summed over the slots (the shared park's and pin's are counted once), the rest
+        are the active slot's, and ``slots`` lists each one's."""
+        self._slot_stats[slot] = stats["tiers"]["resident"]
+        if self.parallel == 1:
+            self.cache_stats = stats
+            return
+        merged = dict(stats["tiers"]["resident"])
+        seen = [s for s in self._slot_stats if s is not None]
+        for key in SLOT_COUNTERS:
+            merged[key] = sum(s.get(key, 0) for s in seen)
+        alignments: dict[str, int] = {}
+        for s in seen:
+            for mode, n in s.get("alignments", {}).items():
+                alignments[mode] = alignments.get(mode, 0) + n
+        merged["alignments"] = alignments
+        merged["slot"] = slot
+        merged["slots"] = [None if s is None else {
+            "slot": i, "rows_in_place": s["rows_in_place"], "anchors": s["anchors"],
+            "end": s["end"], "prompt_end": s["prompt_end"], "taint": s["taint"],
+            "anchor_bytes": s["anchor_bytes"]}
+            for i, s in enumerate(self._slot_stats)]
+        self.cache_stats = {"tiers": {"resident": merged}}
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
         """From the engine thread: ``callback(*args)`` on the loop, ahead of the running job's
@@ -415,7 +522,22 @@ class EngineActor(Actor):
             "failed_total": self.failed_total,
             "speculation": self.speculation, "draft_max": self.draft_max,
             "drafted_total": self.drafted_total, "accepted_total": self.accepted_total,
+            "slots": self.slot_views(),
         }
+
+    def slot_views(self) -> list[dict]:
+        """Each slot as the loop last saw it: its rows, taint, anchors and end (its last
+        generation's counters), and whether a request holds it now."""
+        holder = self._lock.holder
+        running = holder.slot if isinstance(holder, _Job) and self._plans.get(
+            holder.request_id) is not None else None
+        out = []
+        for i in range(self.parallel):
+            stats = self._slot_stats[i] or {}
+            out.append({"slot": i, "rows_in_place": len(self._slot_rows[i]),
+                        "taint": self._slot_taint[i], "anchors": len(stats.get("anchors", [])),
+                        "end": stats.get("end"), "busy": running == i})
+        return out
 
     def check_invariants(self) -> None:
         self._lock.check_invariants()
@@ -582,13 +704,32 @@ class EngineActor(Actor):
             self._done(job, fut)
             return
         try:
-            r = await resident.ask(OfferTiers(job.request_id, list(job.prompt_ids), self._rows,
-                                              job.namespace), TIER_ASK_S, sender=self)
-            lent["resident"] = r.holdings
-            p = await park.ask(OfferTiers(job.request_id, list(job.prompt_ids), self._rows,
-                                          job.namespace, rows_namespace=r.rows_namespace),
+            # The park first, over the rows of the slot it was parked from (its head is
+            # there): whether its conversation comes back is part of the placement.
+            from_slot = self._park_slot if self._park_slot is not None else self._slot
+            p = await park.ask(OfferTiers(job.request_id, list(job.prompt_ids),
+                                          self._slot_rows[from_slot], job.namespace,
+                                          rows_namespace=self._slot_namespace[from_slot]),
                                TIER_ASK_S, sender=self)
             lent["park"] = p.holdings
+            job.parked_before = p.holdings.park.parked
+            r = await resident.ask(OfferTiers(
+                job.request_id, list(job.prompt_ids), self._slot_rows[from_slot],
+                job.namespace, slot_rows=self._slot_rows if self.parallel > 1 else [],
+                session=job.session, park_slot=self._park_slot, park_point=p.park_point,
+                park_session=p.park_session), TIER_ASK_S, sender=self)
+            lent["resident"] = r.holdings
+            job.slot, job.placed = r.slot, r.placed
+            if self.parallel > 1:
+                log.info("slot_placed", request_id=job.request_id, slot=r.slot, why=r.placed,
+                         start=r.start, source=r.source)
+            await self._use_slot(r.slot)
+            if r.slot != from_slot:
+                # The park's offer over the rows of the slot the request was placed in.
+                again = park_offer(p.holdings, job.prompt_ids, job.namespace, self._rows,
+                                   r.rows_namespace)
+                p = msgspec.structs.replace(p, pin_point=again.pin_point,
+                                            park_point=again.park_point)
             # The composer holds the lent tiers from here (the loop's, then the thread's)
             # until _done gives them back.
             self.resident.lend(r.holdings, p.holdings)
@@ -691,7 +832,11 @@ class EngineActor(Actor):
             return self.resident.shed(level, need)
 
         levels = set(TIER_LEVELS) | ({"store"} if self.store is not None else set())
-        workspace = await self.governor.admit_prefill(num_tokens, shed, levels)
+        # The rows this request may back beyond its slot's: its prompt and answer.
+        wanted = min(self.engine.window, num_tokens + job.generation_params.max_tokens)
+        grow = max(0, self._blocks(wanted) - self._slot_backed[self._slot]) * self._row_nbytes
+        workspace = await self.governor.admit_prefill(num_tokens, shed, levels,
+                                                      grow_nbytes=grow)
         return workspace, shed_tiers
 
     async def _align(self, job: _Job) -> Alignment | None:
@@ -774,6 +919,11 @@ class EngineActor(Actor):
 
     def _ended(self, rows_in_place: int, taint: int | None, rows: list[int] | None) -> None:
         self.view = msgspec.structs.replace(self.view, rows_in_place=rows_in_place, taint=taint)
+        self._slot_taint[self._slot] = taint
+        backed = max(self._slot_backed[self._slot], self._blocks(rows_in_place))
+        if backed != self._slot_backed[self._slot]:
+            self._slot_backed[self._slot] = backed
+            self._report_slots()
         if rows is not None:
             self._rows = rows
 
@@ -958,6 +1108,12 @@ class EngineActor(Actor):
         self._running = None
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
+            self._slot_namespace[job.slot] = plan.resident.namespace
+            parked = plan.park.park.parked
+            if parked is not None and parked is not job.parked_before:
+                self._park_slot = job.slot  # the conversation that left this slot
+            elif parked is None:
+                self._park_slot = None
             self.resident.give_back()
             self._give_back(job.request_id, {"resident": plan.resident, "park": plan.park},
                             "finished" if not fut.cancelled() and fut.exception() is None
@@ -1017,7 +1173,7 @@ class EngineActor(Actor):
                               + outcome.alignment.replayed_reasoning
                               if outcome.alignment else 0),
                 hidden_tokens=len(_hidden(outcome.budget, result.token_ids)),
-                drafted=result.drafted, accepted=result.accepted),
+                drafted=result.drafted, accepted=result.accepted, slot=job.slot),
                 job)
             self.drafted_total += result.drafted
             self.accepted_total += result.accepted

@@ -152,6 +152,7 @@ class GenerationFinished(Message):
     hidden_tokens: int = 0  # generated tokens the client never sees
     drafted: int = 0  # tokens the lookup drafter proposed
     accepted: int = 0  # of them, those the verify blocks accepted
+    slot: int = 0  # the slot it ran in (tandem/cache/slots.py)
 
 
 class GenerationFailed(Message):

@@ -33,6 +33,14 @@ class OfferTiers(Message):
     rows: list[int]
     namespace: str = SHARED
     rows_namespace: str = SHARED
+    # Slots (tandem/cache/slots.py), for the resident's placement: every slot's rows in place
+    # (empty: one slot, ``rows``), the request's session key, and the parked conversation's
+    # slot, where the park's offer resumes the prompt over that slot's rows, and its session.
+    slot_rows: list[list[int]] = []
+    session: str | None = None
+    park_slot: int | None = None
+    park_point: int = 0
+    park_session: str | None = None
 
 
 class ResidentOffered(Message):
@@ -48,6 +56,8 @@ class ResidentOffered(Message):
     decisive: bool
     rows_namespace: str
     holdings: Any = None  # tandem.cache.resident.ResidentHoldings, lent
+    slot: int = 0  # the slot placed in, whose holdings are lent
+    placed: str = "only"  # the placement rule that chose it (tandem.cache.slots.Why)
 
 
 class ParkOffered(Message):
@@ -58,6 +68,7 @@ class ParkOffered(Message):
     pin_point: int
     park_point: int
     holdings: Any = None  # tandem.cache.resident.ParkHoldings, lent
+    park_session: str | None = None  # the parked conversation's session key
 
 
 class Fence(msgspec.Struct, frozen=True):

@@ -23,7 +23,9 @@ from tandem.actors.mailbox import MailboxFull
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, GetTierStats,
                                          OfferTiers, ParkOffered, ResidentOffered, TierStats)
+from tandem.cache.memory import Share, check_shares
 from tandem.cache.namespace import Namespace
+from tandem.cache.slots import SlotFacts, place
 from tandem.cache.holdings import (ParkHoldings, ResidentHoldings, park_offer, park_statistics,
                                    resident_offer, resident_statistics)
 
@@ -98,25 +100,83 @@ class _Lender(Actor):
 
 
 class ResidentActor(_Lender):
+    """The resident tiers of every slot (tandem/cache/slots.py): one ``ResidentHoldings`` a
+    slot. An offer places the request in a slot and lends that slot's holdings alone."""
+
     holdings: ResidentHoldings
 
-    def __init__(self, name: str = "resident", *, holdings: ResidentHoldings,
-                 governor: Actor | None = None, **actor_options: Any) -> None:
-        super().__init__(name, holdings, governor, **actor_options)
+    def __init__(self, name: str = "resident", *, holdings: ResidentHoldings | None = None,
+                 slots: list[ResidentHoldings] | None = None, governor: Actor | None = None,
+                 **actor_options: Any) -> None:
+        self.slots = list(slots) if slots is not None else [holdings]
+        assert self.slots and all(h is not None for h in self.slots), "no holdings"
+        self.used = [0] * len(self.slots)  # when each slot was last placed (a logical clock)
+        self._clock = 0
+        self.lent_slot: int | None = None
+        self.placements: dict[str, int] = {}  # how requests were placed, by rule
+        super().__init__(name, self.slots[0], governor, **actor_options)
 
     def _offer(self, msg: OfferTiers) -> ResidentOffered:
-        offer = resident_offer(self.holdings, msg.prompt_ids, Namespace(msg.namespace),
-                               msg.rows)
+        namespace = Namespace(msg.namespace)
+        rows_of = msg.slot_rows if msg.slot_rows else [msg.rows]
+        if len(rows_of) != len(self.slots):
+            raise TierLendingError(f"{self.name}: {len(rows_of)} slots' rows for "
+                                   f"{len(self.slots)} slots")
+        facts = [SlotFacts(i, rows_of[i], held, self.used[i],
+                           aligned=_aligns(held, msg.prompt_ids, namespace))
+                 for i, held in enumerate(self.slots)]
+        placed = place(msg.prompt_ids, msg.session, namespace, facts,
+                       self.slots[0].anchors.chunk, park_slot=msg.park_slot,
+                       park_point=msg.park_point, park_session=msg.park_session)
+        self.holdings = self.slots[placed.slot]
+        holdings = self._lend(msg.request_id)
+        self.lent_slot = placed.slot
+        self._clock += 1
+        self.used[placed.slot] = self._clock
+        self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
+        offer = placed.offer
         r = offer.resume
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
-                               offer.continuing, offer.decisive, self.holdings.namespace,
-                               self._lend(msg.request_id))
+                               offer.continuing, offer.decisive, holdings.namespace, holdings,
+                               slot=placed.slot, placed=placed.why)
+
+    def _take_back(self, msg: GenerationEnded) -> None:
+        super()._take_back(msg)
+        self.lent_slot = None
 
     def _check(self, rows: list[int]) -> None:
         self.holdings.check_invariants(rows)
+        shares = [held.anchors.memory for held in self.slots]
+        if all(isinstance(share, Share) for share in shares):
+            check_shares(shares[0].shared, shares)
 
     def _statistics(self) -> dict:
-        return resident_statistics(self.holdings)
+        per_slot = [dict(resident_statistics(held), slot=i, session=held.session is not None,
+                         used=self.used[i])
+                    for i, held in enumerate(self.slots)]
+        total = dict(per_slot[0])
+        total["anchors"] = sorted({line for s in per_slot for line in s["anchors"]})
+        for key in ("anchors_taken", "evictions", "guests"):
+            total[key] = sum(s[key] for s in per_slot)
+        total["held_bytes"] = {level: sum(s["held_bytes"][level] for s in per_slot)
+                               for level in total["held_bytes"]}
+        total.pop("slot"), total.pop("session"), total.pop("used")
+        total["slots"] = per_slot
+        total["placements"] = dict(self.placements)
+        return total
+
+
+def _aligns(held: ResidentHoldings, prompt: list[int], namespace: Namespace) -> bool:
+    """Whether the client's copy aligns with the end record of this slot's end in place
+    (counted nowhere: the plan aligns again over the placed slot's lent holdings)."""
+    records = held.records
+    end = held.ends.end
+    if records is None or end is None or held.namespace != namespace:
+        return False
+    record = getattr(records, "record", None)
+    if record is None or len(record.rows) != end.length:
+        return False
+    return records.aligns(record, prompt)
 
 
 class ParkActor(_Lender):
@@ -129,8 +189,10 @@ class ParkActor(_Lender):
     def _offer(self, msg: OfferTiers) -> ParkOffered:
         offer = park_offer(self.holdings, msg.prompt_ids, Namespace(msg.namespace), msg.rows,
                            Namespace(msg.rows_namespace))
+        parked = self.holdings.park.parked
         return ParkOffered(msg.request_id, offer.pin_point, offer.park_point,
-                           self._lend(msg.request_id))
+                           self._lend(msg.request_id),
+                           park_session=parked.session if parked is not None else None)
 
     def _check(self, rows: list[int]) -> None:
         self.holdings.check_invariants()

@@ -108,6 +108,11 @@ class EndRecords:
         self.stored += 1
         return self._count(alignment)
 
+    def aligns(self, record: EndRecord, prompt: list[int]) -> bool:
+        """Whether ``prompt`` aligns with ``record`` (placement asks it of each slot's end;
+        nothing is counted)."""
+        return self._align(record, prompt) is not None
+
     def _align(self, record: EndRecord, prompt: list[int]) -> Alignment | None:
         alignment = align(record, prompt, self.token_bytes, allow_reasoning=self.allow_reasoning)
         if alignment is not None and len(alignment.served) > len(record.rows):

@@ -426,12 +426,13 @@ class MemoryGovernor:
 
     async def admit_prefill(self, num_tokens: int,
                             shed: Callable[[str, int], Awaitable[int]],
-                            sheddable: Collection[str]) -> int:
+                            sheddable: Collection[str], grow_nbytes: int = 0) -> int:
         """``before_prefill`` on the event loop, before the plan is handed to the engine
         thread: each shed is ``await shed(level, need_nbytes) -> freed`` (an ask of the actor
         holding that level, or a call on tiers lent to the loop), for the ``sheddable``
-        levels."""
-        steps = self._before_prefill(num_tokens, sheddable)
+        levels. ``grow_nbytes``: the rows the request backs beyond what its slot holds (the
+        slots' rows are backed as they grow), admitted with the workspace."""
+        steps = self._before_prefill(num_tokens, sheddable, grow_nbytes)
         try:
             level, need = next(steps)
             while True:
@@ -444,10 +445,10 @@ class MemoryGovernor:
         except StopIteration as done:
             return done.value
 
-    def _before_prefill(self, num_tokens: int, sheddable: Collection[str] | None = None
-                        ) -> Generator[tuple[str, int], int, int]:
+    def _before_prefill(self, num_tokens: int, sheddable: Collection[str] | None = None,
+                        grow_nbytes: int = 0) -> Generator[tuple[str, int], int, int]:
         peak = self._limits.peak_nbytes
-        workspace = self.workspace_nbytes(num_tokens)
+        workspace = self.workspace_nbytes(num_tokens) + grow_nbytes
         held = self.measure().held_nbytes
         tally = _Tally()
         try:

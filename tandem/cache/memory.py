@@ -110,3 +110,58 @@ class Accounts:
     def check_invariants(self) -> None:
         for a in self.accountants:
             a.check_invariants()
+
+
+class Share:
+    """One slot's part of an accountant several slots share (tandem/cache/slots.py): reserves
+    and releases go to the shared budgets (and its gate), and the part counts its own, so each
+    slot's tiers check their bytes exactly and the shared level is the sum of the parts."""
+
+    def __init__(self, shared: MemoryAccountant) -> None:
+        self.shared = shared
+        self.held = {level: 0 for level in LEVELS}
+
+    @property
+    def budgets(self) -> dict[str, int]:
+        return self.shared.budgets
+
+    @property
+    def refused(self) -> dict[str, int]:
+        return self.shared.refused
+
+    @property
+    def gate(self) -> Callable[[str, int], bool] | None:
+        return self.shared.gate
+
+    @gate.setter
+    def gate(self, gate: Callable[[str, int], bool] | None) -> None:
+        self.shared.gate = gate
+
+    def room(self, level: str) -> int:
+        return self.shared.room(level)
+
+    def reserve(self, level: str, nbytes: int) -> bool:
+        if not self.shared.reserve(level, nbytes):
+            return False
+        self.held[level] += nbytes
+        return True
+
+    def release(self, level: str, nbytes: int) -> None:
+        if nbytes > self.held[level]:
+            raise AssertionError(f"release of {nbytes} bytes at {level} holding {self.held[level]}")
+        self.held[level] -= nbytes
+        self.shared.release(level, nbytes)
+
+    def holding(self) -> dict[str, int]:
+        return {level: self.held[level] for level in self.budgets}
+
+    def check_invariants(self) -> None:
+        for level, nbytes in self.held.items():
+            assert 0 <= nbytes <= self.shared.held[level], (level, nbytes)
+        self.shared.check_invariants()
+
+
+def check_shares(shared: MemoryAccountant, shares: list["Share"]) -> None:
+    """The shared levels hold exactly what their parts hold."""
+    for level in shared.budgets:
+        assert shared.held[level] == sum(s.held[level] for s in shares), level

@@ -33,7 +33,7 @@ import torch
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.keep import End, Parked, Pinned, make_park, pin_lines, plan_park, take_pin
-from tandem.cache.memory import MemoryAccountant
+from tandem.cache.memory import Accounts, MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.holdings import (Decided, Moves, ParkHoldings, ParkOffer, ResidentHoldings,
                                    ResidentOffer, Resume, _Hits, choose, make_holdings,
@@ -113,6 +113,7 @@ class ResidentPrefix:
         self.chunk = engine.prefix_chunk
         self._tiers, self._park_tiers = make_holdings(memory, self.chunk, **knobs)
         self._decided: tuple[list[int], Decided] | None = None
+        self._lent_form = False
 
     @classmethod
     def lent_to(cls, engine: SequenceEngine, memory: MemoryAccountant) -> "ResidentPrefix":
@@ -122,12 +123,18 @@ class ResidentPrefix:
         composer.chunk = engine.prefix_chunk
         composer._tiers = composer._park_tiers = None
         composer._decided = None
+        composer._lent_form = True
         return composer
 
     def lend(self, resident: ResidentHoldings, park: ParkHoldings) -> None:
         """The tiers, lent by their actors for one generation."""
         assert resident.anchors.chunk == self.chunk, "tiers of another grid"
         self._tiers, self._park_tiers = resident, park
+        if self._lent_form:
+            # Each slot's tiers count their own part of the resident budget
+            # (tandem.cache.memory.Share): the composer reserves through the lent slot's.
+            mine, parks = resident.anchors.memory, park.park.memory
+            self.memory = mine if mine is parks else Accounts(mine, parks)
         if resident.records is not None:
             resident.records.resident = self  # the records follow the ends they are lent with
 

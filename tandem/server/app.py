@@ -24,7 +24,8 @@ from tandem.actors.suffix import SuffixActor
 from tandem.actors.tier_messages import GetTierStats
 from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
-from tandem.cache.memory import PARK_LEVELS, RESIDENT_LEVELS, Accounts, MemoryAccountant
+from tandem.cache.memory import (PARK_LEVELS, RESIDENT_LEVELS, Accounts, MemoryAccountant,
+                                 Share)
 from tandem.cache.endrecords import EndRecords
 from tandem.cache.resident import ResidentPrefix, make_holdings
 from tandem.cache.response import ResponseCache
@@ -93,7 +94,10 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
             c = config.cache
             resident_memory, park_memory = memory.part(RESIDENT_LEVELS), memory.part(PARK_LEVELS)
             memory = Accounts(resident_memory, park_memory)  # the composer's view of both
-            held, parked = make_holdings(resident_memory, e.prefix_chunk,
+            # Several slots share the resident budget; each counts its own part of it.
+            shares = ([Share(resident_memory) for _ in range(e.parallel)] if e.parallel > 1
+                      else [resident_memory])
+            held, parked = make_holdings(shares[0], e.prefix_chunk,
                                          guest_max=c.resident_guest_max,
                                          end_anchor=c.end_anchor,
                                          prompt_end_anchor=c.prompt_end_anchor,
@@ -103,13 +107,25 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
                 held.records = EndRecords(None, loaded.tokenizer.token_bytes,
                                           allow_reasoning=c.end_align_reasoning,
                                           store_backed=store is not None)
-            tiers = (ResidentActor("resident", holdings=held, governor=governor_actor),
+            slots = [held]
+            for share in shares[1:]:
+                side, _unused_park = make_holdings(share, e.prefix_chunk,
+                                                   guest_max=c.resident_guest_max,
+                                                   end_anchor=c.end_anchor,
+                                                   prompt_end_anchor=c.prompt_end_anchor,
+                                                   park_memory=park_memory)
+                if c.end_align:
+                    side.records = EndRecords(None, loaded.tokenizer.token_bytes,
+                                              allow_reasoning=c.end_align_reasoning,
+                                              store_backed=store is not None)
+                slots.append(side)
+            tiers = (ResidentActor("resident", slots=slots, governor=governor_actor),
                      ParkActor("park", holdings=parked, governor=governor_actor))
         engine = EngineActor("engine", make_engine=partial(
             Engine, loaded.model, window=e.window, prefix_chunk=e.prefix_chunk,
             num_threads=e.num_threads),
             make_resident=partial(ResidentPrefix.lent_to, memory=memory) if caches else None,
-            tiers=tiers,
+            tiers=tiers, parallel=e.parallel if caches else 1, governor_actor=governor_actor,
             make_store=partial(make_store, config, store) if store is not None else None,
             governor=governor,
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
@@ -141,6 +157,13 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
                   lambda: engine.snapshot().get("waiting") or 0)
     metrics.gauge("tandem_requests_running", "Requests the engine is running.",
                   lambda: 1 if engine.snapshot().get("request") else 0)
+    metrics.gauge("tandem_slots_busy", "Engine slots a request is running in.",
+                  lambda: sum(1 for s in engine.snapshot().get("slots") or () if s["busy"]))
+    metrics.gauge("tandem_slots_idle", "Engine slots no request is running in.",
+                  lambda: sum(1 for s in engine.snapshot().get("slots") or () if not s["busy"]))
+    metrics.gauge("tandem_slots_holding", "Engine slots holding a conversation's rows.",
+                  lambda: sum(1 for s in engine.snapshot().get("slots") or ()
+                              if s["rows_in_place"]))
     if config.cache.response_cache:
         state.response_cache = ResponseCache(int(config.cache.response_cache_mb * MiB))
     if governor_actor is not None:
@@ -176,12 +199,14 @@ def make_memory(config: Config, model) -> MemoryAccountant:
     """The accountant every cache reserves its copies with, one budget a level."""
     c, e = config.cache, config.engine
     state_nbytes = model.cost(e.window, e.prefix_chunk).state_nbytes
+    slots = e.parallel if c.caches else 1
     return MemoryAccountant({
         "anchors": int(c.resident_gb * GiB),
-        # The end anchor's buffers, and a parked end on its way back in.
-        "end": 2 * state_nbytes if c.end_anchor else 0,
-        # The prompt-end anchor: one state and the last position's logits (fp32).
-        "prompt_end": state_nbytes + 4 * model.vocab_size if c.prompt_end_anchor else 0,
+        # Each slot's end anchor buffers, and a parked end on its way back in.
+        "end": (slots + 1) * state_nbytes if c.end_anchor else 0,
+        # Each slot's prompt-end anchor: one state and the last position's logits (fp32).
+        "prompt_end": slots * (state_nbytes + 4 * model.vocab_size) if c.prompt_end_anchor
+        else 0,
         "stash": int(c.resident_stash_gb * GiB),
         "pin": int(c.resident_pin_gb * GiB),
         "park": int(c.resident_park_gb * GiB),

@@ -385,7 +385,8 @@ class Run:
         # served prompt differs from the client's where the end alignment put rows back.
         tier = tier_of(source)
         cache = {"tier": tier, "source": source,
-                 "cached": r.reused_tokens if r else 0, "reread": r.reread_tokens if r else 0}
+                 "cached": r.reused_tokens if r else 0, "reread": r.reread_tokens if r else 0,
+                 "slot": r.slot if r else None}
         if r is not None and r.aligned:
             cache["aligned"] = r.aligned
             cache["end_replayed"] = r.end_replayed
@@ -437,7 +438,8 @@ class Run:
             decode_tok_s=round(self.result.decode_tok_s, 3) if ran else None,
             finish_reason=self.finish_reason, status=status, error=error_code,
             drafted=self.result.drafted if ran else 0,
-            accepted=self.result.accepted if ran else 0, extra=self._extra()))
+            accepted=self.result.accepted if ran else 0, slot=self.result.slot if ran else None,
+            extra=self._extra()))
 
     def _extra(self) -> dict | None:
         r = self.result

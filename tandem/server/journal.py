@@ -40,6 +40,7 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False)
     error: str | None = None  # the error code (never its message: it may quote the input)
     drafted: int = 0  # tokens the lookup drafter proposed
     accepted: int = 0  # of them, those the verify blocks accepted
+    slot: int | None = None  # the engine slot it ran in (None: none ran)
     # extra.end_replayed: hidden or reasoning rows the end alignment put back; extra.aligned:
     # how the client's copy met the end anchor; extra.guest: the request ran as a guest.
     extra: dict | None = None

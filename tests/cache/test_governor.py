@@ -15,7 +15,7 @@ from tandem.cache.governor import (
     MemoryRefused,
     Reading,
 )
-from tandem.cache.memory import LEVELS
+from tandem.cache.memory import LEVELS, MemoryAccountant
 from tandem.models.hybrid import HybridModel
 
 BASE = 1 << 30  # what the fake process holds besides its caches
@@ -156,3 +156,21 @@ def test_measured_for_real_the_process_stays_under_the_peak_it_was_given(model):
         assert governor.stats.last_prefill["max_held"] <= peak
     assert governor.stats.max_prefill_nbytes <= peak
     assert governor.stats.refusals == 0
+
+
+async def test_the_rows_a_slot_would_back_are_admitted_with_the_workspace(model):
+    """Slots back their rows as they grow: a prefill that fits by its workspace alone is
+    refused when the rows it backs do not fit too, and admitted when they do."""
+    allocator = FakeAllocator()
+    governor = MemoryGovernor(roomy(), allocator)
+    governor.attach(MemoryAccountant({}), {}, model.cost(512, 64))
+    ws = governor.workspace_nbytes(100)
+    governor.set_limits(MemoryLimits(BASE // 2, BASE + ws + 1000, 1))
+
+    async def shed(level, need):
+        return 0
+
+    assert await governor.admit_prefill(100, shed, set(), grow_nbytes=1000) == ws + 1000
+    governor.after_request()
+    with pytest.raises(MemoryRefused):
+        await governor.admit_prefill(100, shed, set(), grow_nbytes=1001)

@@ -26,7 +26,8 @@ def small_loaded(tmp_path_factory):
 @pytest.fixture
 def make_config(tmp_path):
     def make(**server: object) -> Config:
-        engine = {k: server.pop(k) for k in ("window", "prefix_chunk") if k in server}
+        engine = {k: server.pop(k) for k in ("window", "prefix_chunk", "parallel")
+                  if k in server}
         return Config(home=str(tmp_path / "home"),
                       server=ServerConfig(**server),
                       engine=EngineConfig(**{"window": 512, "prefix_chunk": 64, **engine}))

@@ -23,7 +23,7 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture
 async def server(small_loaded, make_config, serve):
-    app = build_app(make_config(allow_forced_output=True, window=8192), small_loaded)
+    app = build_app(make_config(allow_forced_output=True, window=8192, parallel=1), small_loaded)
     async with serve(app) as server:
         yield server
 

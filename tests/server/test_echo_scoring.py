@@ -22,7 +22,8 @@ SCORE = {"model": "small", "max_tokens": 0, "temperature": 0, "echo": True, "log
 
 @pytest.fixture
 async def server(small_loaded, make_config, serve):
-    async with serve(build_app(quiet(make_config(), response_cache=False), small_loaded)) as s:
+    async with serve(build_app(quiet(make_config(parallel=1), response_cache=False),
+                               small_loaded)) as s:
         yield s
 
 
@@ -147,7 +148,7 @@ async def test_a_scoring_run_as_a_guest_puts_the_conversation_back(small_loaded,
     conversation's next turn resumes where it would have and answers as if it had not come."""
     long = list(range(1000, 1300))
     follow = long + [5000, 5001, 5002]
-    config = quiet(make_config(), response_cache=False)
+    config = quiet(make_config(parallel=1), response_cache=False)
     answers = []
     for with_guest in (True, False):
         app = build_app(config, small_loaded)

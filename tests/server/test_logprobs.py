@@ -55,7 +55,7 @@ async def stream(server, path, body) -> list[dict]:
 
 @pytest.fixture
 async def server(small_loaded, make_config, serve):
-    async with serve(build_app(quiet(make_config()), small_loaded)) as server:
+    async with serve(build_app(quiet(make_config(parallel=1)), small_loaded)) as server:
         yield server
 
 
@@ -336,7 +336,7 @@ async def test_an_echo_run_as_a_guest_puts_the_conversation_back(small_loaded, m
     said = "one two three four five"
     tok = small_loaded.tokenizer
     follow = long + tok.encode(said) + [tok.special_ids["<|im_end|>"], 5000, 5001]
-    config = quiet(make_config(allow_forced_output=True))
+    config = quiet(make_config(allow_forced_output=True, parallel=1))
     answers = []
     for with_guest in (True, False):
         app = build_app(config, small_loaded)

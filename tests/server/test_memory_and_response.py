@@ -57,7 +57,8 @@ async def test_a_prefill_that_cannot_fit_gets_503_then_runs_once_the_limits_are_
         async with http.get(url + "/v1/memory") as resp:
             report = await resp.json()
             assert set(report["levels"]) == {"store", "prompt_end", "anchors", "end", "stash",
-                                             "park", "pin"}
+                                             "park", "pin", "slots"}
+            assert report["levels"]["slots"] > 0  # the rows the first slot backed
             assert report["levels"]["anchors"] == 0  # a 5-token prompt reaches no grid line
             assert report["levels"]["end"] > 0
         async with http.get(url + "/metrics") as resp:
@@ -130,7 +131,8 @@ async def test_a_request_resumed_from_the_state_store_says_so_in_usage_and_journ
         small_loaded, serve, sdk, tmp_path):
     from tandem.server.keys import JOURNAL
 
-    cfg = Config(home=str(tmp_path / "home"), engine=EngineConfig(window=512, prefix_chunk=64),
+    cfg = Config(home=str(tmp_path / "home"), engine=EngineConfig(window=512, prefix_chunk=64,
+                                                                   parallel=1),
                  cache=CacheConfig(resident_park_gb=0))  # no park: the store is the only copy
     app = build_app(cfg, small_loaded)
     first = list(range(1000, 1200))
@@ -145,7 +147,8 @@ async def test_a_request_resumed_from_the_state_store_says_so_in_usage_and_journ
         await send(first)
         await send(list(range(3000, 3200)))  # replaces the rows in place
         cache = await send(first[:195] + list(range(5000, 5020)))
-        assert cache == {"tier": "store", "source": "store", "cached": 192, "reread": 23}
+        assert cache == {"tier": "store", "source": "store", "cached": 192, "reread": 23,
+                         "slot": 0}
         rows = app[JOURNAL].tail(1)
         assert rows[-1]["cache_source"] == "store" and rows[-1]["cached_tokens"] == 192
         async with aiohttp.ClientSession() as http:

@@ -15,7 +15,8 @@ P2 = P1 + list(range(2000, 2090))
 
 async def test_a_resume_off_the_grid_marks_taint_and_keeps_no_bit_exact_copy_above_it(
         small_loaded, serve, sdk, tmp_path):
-    cfg = Config(home=str(tmp_path / "home"), engine=EngineConfig(window=512, prefix_chunk=64),
+    cfg = Config(home=str(tmp_path / "home"), engine=EngineConfig(window=512, prefix_chunk=64,
+                                                                   parallel=1),
                  cache=CacheConfig(resident_park_gb=0))  # no park: the store is the only copy
     async with serve(build_app(cfg, small_loaded)) as server, aiohttp.ClientSession() as http:
         client = sdk(server)

@@ -56,7 +56,7 @@ async def _conversation(client, tasks: bool) -> list:
 
 async def test_the_turn_after_a_store_resume_resumes_at_the_end_anchor(small_loaded, make_config,
                                                                        serve, sdk):
-    config = make_config(allow_forced_output=True, window=2048)
+    config = make_config(allow_forced_output=True, window=2048, parallel=1)
     async with serve(build_app(config, small_loaded)) as server:
         first, second, third = await _conversation(sdk(server), tasks=True)
         stats = (await server.app[CACHE_STATS]())["tiers"]

@@ -53,7 +53,7 @@ async def test_the_same_prompt_twice_forwards_nothing_and_answers_as_a_cold_serv
     assert _cache(first)["source"] == "cold"
     for doc in (second, third):
         assert _cache(doc) == {"tier": "resident", "source": "prompt_end", "cached": n,
-                               "reread": 0}, _cache(doc)
+                               "reread": 0, "slot": 0}, _cache(doc)
         assert doc["usage"]["prompt_tokens_details"]["cached_tokens"] == n
         assert doc["choices"][0]["text"] == first["choices"][0]["text"]
     assert _cache(differs)["source"] != "prompt_end" and _cache(differs)["reread"] > 0

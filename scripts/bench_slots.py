@@ -1,0 +1,178 @@
+"""Slots against one sequence, side by side in one run, through the HTTP server on `tiny`.
+
+    .venv/bin/python scripts/bench_slots.py [--long 16384] [--turns 8] [--system 3072]
+                                            [--parallel 4] [--figures a,b,c]
+
+(a) one long prompt, then a new conversation of ``--turns`` turns (each prompt the last plus
+    its answer and a ~300-token message): tokens forwarded over distinct tokens, and the sum
+    of the conversation's first-token times (llama-server's figures on the same weights:
+    0.93 and 926 ms; tandem with one sequence: 4.34 and 2,842 ms);
+(b) A, B, A, B, A, B with a shared ``--system``-token system prompt: tokens re-read on each
+    return;
+(c) 4 conversations sent at once: aggregate decode tokens/s over one stream's.
+
+Each figure is measured with ``parallel`` slots and with one, in the same run; prompts are
+text (random words), answers greedy, the next turn carries the answer's text as a client does.
+Single-stream decode against the bandwidth bound is scripts/bench_decode.py's figure (d), and
+memory during a 4k prefill scripts/bench_memory.py's (e).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tandem.config import CacheConfig, Config, EngineConfig, SpeculationConfig  # noqa: E402
+from tandem.logs import configure_logging  # noqa: E402
+from tandem.models import load_model  # noqa: E402
+from tandem.server.app import build_app  # noqa: E402
+
+
+def _words(seed: int, n: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 50021}" for i in range(n))
+
+
+class Server:
+    def __init__(self, loaded, parallel: int, window: int, home: str):
+        self.config = Config(home=home, engine=EngineConfig(window=window, parallel=parallel),
+                             cache=CacheConfig(store=False),
+                             speculation=SpeculationConfig(suffix_store=False))
+        self.loaded = loaded
+
+    async def __aenter__(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.runner = web.AppRunner(build_app(self.config, self.loaded))
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.http.close()
+        await self.runner.cleanup()
+
+    async def complete(self, prompt: str, max_tokens: int) -> dict:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft = None
+        text, usage = [], None
+        async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions",
+                                  json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            async for line in resp.content:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                doc = json.loads(line[6:])
+                if doc.get("choices"):
+                    if ttft is None:
+                        ttft = (time.perf_counter() - t0) * 1000
+                    text.append(doc["choices"][0].get("text", ""))
+                if doc.get("usage"):
+                    usage = doc["usage"]
+        end = (time.perf_counter() - t0) * 1000
+        return {"text": "".join(text), "usage": usage, "ttft_ms": ttft, "total_ms": end}
+
+
+async def figure_a(server: Server, long: int, turns: int) -> dict:
+    first = await server.complete(_words(1, long // 4), 8)  # about ``long`` tokens
+    prompt = "Hello, let us plan the trip. " + _words(2, 120)
+    forwarded, ttft, distinct = 0, 0.0, 0
+    for turn in range(turns):
+        r = await server.complete(prompt, 16)
+        forwarded += r["usage"]["tandem"]["cache"]["reread"]
+        ttft += r["ttft_ms"]
+        distinct = r["usage"]["prompt_tokens"]
+        prompt += r["text"] + f" Turn {turn}: " + _words(3 + turn, 120)
+    long_tokens = first["usage"]["prompt_tokens"]
+    return {"long_tokens": long_tokens,
+            "forwarded_over_distinct": (forwarded + first["usage"]["tandem"]["cache"]["reread"])
+            / (distinct + long_tokens), "ttft_sum_ms": ttft}
+
+
+async def figure_b(server: Server, system: int) -> dict:
+    head = "System rules. " + _words(7, system // 4)
+    texts = {name: head + f" I am {name}. " + _words(ord(name), 120) for name in "AB"}
+    reread = []
+    for i, name in enumerate("ABABAB"):
+        r = await server.complete(texts[name], 8)
+        if i >= 2:
+            reread.append(r["usage"]["tandem"]["cache"]["reread"])
+        texts[name] += r["text"] + " Next: " + _words(i, 40)
+    return {"reread_per_return": sum(reread) / len(reread)}
+
+
+async def figure_c(server: Server) -> dict:
+    prompts = [f"Story {i}. " + _words(20 + i, 200) for i in range(4)]
+    for p in prompts:
+        await server.complete(p, 2)  # every conversation in place first
+    one = await server.complete(prompts[0] + " more", 64)
+    single = 63 / ((one["total_ms"] - one["ttft_ms"]) / 1000)
+    t0 = time.perf_counter()
+    runs = await asyncio.gather(*(server.complete(p + " more", 64) for p in prompts))
+    wall = time.perf_counter() - t0
+    first = min(r["ttft_ms"] for r in runs) / 1000
+    aggregate = 4 * 63 / max(wall - first, 1e-9)
+    return {"single_tok_s": single, "aggregate_tok_s": aggregate,
+            "aggregate_over_single": aggregate / single}
+
+
+async def main_async(args) -> None:
+    loaded = load_model("tiny", Path(tempfile.mkdtemp()) / "models")
+    figures = set(args.figures.split(","))
+    rows = []
+    for parallel in (args.parallel, 1):
+        with tempfile.TemporaryDirectory() as home:
+            async with Server(loaded, parallel, args.window, home) as server:
+                got = {}
+                if "a" in figures:
+                    got.update(await figure_a(server, args.long, args.turns))
+                if "b" in figures:
+                    got.update(await figure_b(server, args.system))
+                if "c" in figures:
+                    got.update(await figure_c(server))
+                rows.append((parallel, got))
+    print(f"model tiny, window {args.window}; llama-server on the same weights: (a) 0.93 and "
+          f"926 ms\n")
+    keys = list(rows[0][1])
+    print("| parallel | " + " | ".join(keys) + " |")
+    print("|---:|" + "---:|" * len(keys))
+    for parallel, got in rows:
+        print(f"| {parallel} | " + " | ".join(f"{got[k]:.3f}" if isinstance(got[k], float)
+                                               else str(got[k]) for k in keys) + " |")
+    (p, slots), (_, one) = rows
+    for k in keys:
+        if one[k]:
+            print(f"{k}: {p} slots / 1 = {slots[k] / one[k]:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--long", type=int, default=16384)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--system", type=int, default=3072)
+    ap.add_argument("--parallel", type=int, default=4)
+    ap.add_argument("--window", type=int, default=32768)
+    ap.add_argument("--figures", default="a,b,c")
+    args = ap.parse_args()
+    configure_logging("warning")
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

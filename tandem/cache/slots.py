@@ -1,0 +1,103 @@
+"""Slots: several conversations in place at once (spec: side slots, ``--parallel N``).
+
+Each slot is a sequence of its own in the engine (rows, recurrent sections, conv tails, taint)
+with its own resident holdings (grid anchors, end and prompt-end anchors, end records, the guest
+stash); the park, the pin and the store are shared. Placement is a pure function of what each
+slot holds, made by the resident actor when it answers a job's offer:
+
+1. the slot that holds the request's session (its session key, same namespace);
+2. else a slot the prompt continues: its offer there is the rows in place, the end anchor or the
+   prompt-end anchor, its client's copy aligns with the slot's end record, or the parked
+   conversation made from that slot would come back;
+3. else the slot whose rows it shares most, when that is at least a grid line and at least
+   half of the slot's rows (a branch of that conversation: an edit, a regenerate); the rest of
+   its rows go to the park as a leaving conversation's do;
+4. else an idle slot: an empty one first, else the least recently used.
+
+A guest (a short prompt beside a long conversation: Open WebUI's title and tags requests) thus
+takes an empty side slot and needs no stash; it stashes only when it lands in a slot that holds
+a conversation (no slot was empty). A short conversation beside a long one keeps its own slot
+and resumes at its own end every turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from tandem.cache.holdings import ResidentHoldings, ResidentOffer, resident_offer
+from tandem.cache.namespace import Namespace
+
+Why = Literal["only", "session", "continues", "park", "shares", "empty", "lru"]
+
+
+@dataclass(frozen=True)
+class SlotFacts:
+    """What placement reads of one slot: its rows' tokens, its holdings, when it was last
+    placed (a logical clock), whether its end record aligns the client's copy, and whether
+    another request holds it now."""
+
+    index: int
+    rows: Sequence[int]
+    holdings: ResidentHoldings
+    used: int = 0
+    aligned: bool = False
+    busy: bool = False
+
+
+@dataclass(frozen=True)
+class Placement:
+    slot: int
+    why: Why
+    offer: ResidentOffer
+
+
+def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
+          slots: Sequence[SlotFacts], chunk: int, *, park_slot: int | None = None,
+          park_point: int = 0, park_session: str | None = None) -> Placement:
+    """The slot a request goes to, and the resident's offer there (module docstring).
+
+    ``park_slot``: the slot the parked conversation was parked from, ``park_point`` where the
+    park's offer resumes the prompt over that slot's rows (0: it does not), ``park_session``
+    the parked conversation's session key."""
+    prompt = list(prompt)
+    free = [s for s in slots if not s.busy]
+    if not free:
+        raise ValueError("no slot is free")  # the capture lock runs one job at a time
+    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows) for s in free}
+    if len(slots) == 1:
+        return Placement(free[0].index, "only", offers[free[0].index])
+    by_index = {s.index: s for s in free}
+    if session is not None:
+        for s in free:
+            if s.holdings.session == session and s.holdings.namespace == namespace and s.rows:
+                return Placement(s.index, "session", offers[s.index])
+        if (park_slot in by_index and park_session == session and park_point > 0):
+            return Placement(park_slot, "park", offers[park_slot])
+    continuing = [s for s in free if s.rows and _continues(offers[s.index], s)]
+    if continuing:
+        best = max(continuing, key=lambda s: (offers[s.index].resume.start, s.used))
+        return Placement(best.index, "continues", offers[best.index])
+    if park_slot in by_index and park_point > 0:
+        return Placement(park_slot, "park", offers[park_slot])
+    sharing = [s for s in free if s.rows and offers[s.index].shared >= chunk
+               and 2 * offers[s.index].shared >= len(s.rows)]
+    if sharing:
+        best = max(sharing, key=lambda s: (offers[s.index].shared, s.used))
+        return Placement(best.index, "shares", offers[best.index])
+    empty = [s for s in free if not s.rows and s.holdings.ends.end is None]
+    if empty:
+        best = min(empty, key=lambda s: (s.used, s.index))
+        return Placement(best.index, "empty", offers[best.index])
+    best = min(free, key=lambda s: (s.used, s.index))
+    return Placement(best.index, "lru", offers[best.index])
+
+
+def _continues(offer: ResidentOffer, slot: SlotFacts) -> bool:
+    """The prompt goes on from this slot's conversation: it extends the rows in place, resumes
+    at the end or prompt-end anchor, or its copy aligns with the slot's end record."""
+    if slot.aligned:
+        return True
+    if offer.resume.guest:
+        return False
+    return offer.continuing or offer.resume.source in ("end", "prompt_end")

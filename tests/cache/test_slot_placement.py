@@ -1,0 +1,152 @@
+"""Placement (tandem/cache/slots.py): the slot of the request's session, else one it continues
+(its rows, its end anchor, its prompt end, the park made from it), else the one whose rows it
+shares most (a branch of that conversation), else an empty slot, else the least recently used.
+Pure: the slots' holdings are built as the server builds them, with fake rows."""
+
+import pytest
+import torch
+
+from tandem.cache.copies import SectionsCopy
+from tandem.cache.holdings import make_holdings
+from tandem.cache.memory import MemoryAccountant, Share, check_shares
+from tandem.cache.namespace import SHARED, Namespace
+from tandem.cache.slots import SlotFacts, place
+from tandem.models.base import CacheState
+
+CHUNK = 64
+
+
+def _memory() -> MemoryAccountant:
+    return MemoryAccountant({"anchors": 1 << 30, "end": 1 << 30, "prompt_end": 1 << 30,
+                             "stash": 1 << 30})
+
+
+def _state() -> CacheState:
+    return CacheState(sections={"s": torch.zeros(4)}, views={})
+
+
+def _slots(n: int = 4):
+    shared = _memory()
+    shares = [Share(shared) for _ in range(n)]
+    return shared, shares, [make_holdings(share, CHUNK)[0] for share in shares]
+
+
+def _facts(held, rows, used=None):
+    return [SlotFacts(i, rows[i], h, used[i] if used else 0) for i, h in enumerate(held)]
+
+
+def _ids(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_one_slot_always_places_there():
+    _, _, held = _slots(1)
+    placed = place(_ids(0, 10), None, SHARED, _facts(held, [_ids(500, 300)]), CHUNK)
+    assert (placed.slot, placed.why) == (0, "only")
+
+
+def test_a_request_goes_to_the_slot_of_its_session_whatever_it_shares():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    held[1].session = "ses_b"
+    # It shares 300 rows with slot 0 and nothing with slot 1: its session decides.
+    placed = place(_ids(0, 300) + _ids(9000, 5), "ses_b", SHARED, _facts(held, rows), CHUNK)
+    assert (placed.slot, placed.why) == (1, "session")
+
+
+def test_another_namespace_never_takes_a_slot_by_its_session_key():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    held[1].session = "ses_b"
+    placed = place(_ids(1000, 310), "ses_b", Namespace("salt-x"), _facts(held, rows), CHUNK)
+    assert placed.why == "empty" and placed.slot == 2
+
+
+def test_a_prompt_that_extends_a_slot_s_rows_goes_there():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    placed = place(_ids(1000, 300) + _ids(7, 20), None, SHARED, _facts(held, rows), CHUNK)
+    assert (placed.slot, placed.why) == (1, "continues")
+    assert placed.offer.resume.start == 300 and placed.offer.continuing
+
+
+def test_a_prompt_at_a_slot_s_end_anchor_goes_there():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    held[1].ends.keep(290, _state())  # the end of the last answer, below the rows' end
+    prompt = _ids(1000, 290) + _ids(5, 30)
+    placed = place(prompt, None, SHARED, _facts(held, rows), CHUNK)
+    assert (placed.slot, placed.why) == (1, "continues")
+    assert placed.offer.resume.source == "end"
+
+
+def test_a_branch_of_a_conversation_goes_to_its_slot():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    held[1].anchors.add(192, SectionsCopy.take(_state()))
+    # An edit of the conversation's last message: it shares 200 of its 300 rows.
+    placed = place(_ids(1000, 200) + _ids(5, 40), None, SHARED, _facts(held, rows), CHUNK)
+    assert (placed.slot, placed.why) == (1, "shares")
+    assert placed.offer.resume.start == 192
+
+
+def test_a_new_conversation_sharing_a_system_prompt_takes_an_empty_slot():
+    """It shares a head of 100 rows with a conversation of 300: not a branch of it."""
+    _, _, held = _slots()
+    rows = [_ids(0, 300), [], [], []]
+    placed = place(_ids(0, 100) + _ids(5000, 50), None, SHARED, _facts(held, rows), CHUNK)
+    assert (placed.slot, placed.why) == (1, "empty")
+
+
+def test_a_guest_takes_an_empty_side_slot_and_needs_no_stash():
+    """A prompt under a quarter of the conversation in place would stash it in one slot;
+    with an empty slot it is a request like any other there."""
+    _, _, held = _slots()
+    rows = [_ids(0, 2000), [], [], []]
+    placed = place(_ids(9000, 40), None, SHARED, _facts(held, rows), CHUNK)
+    assert (placed.slot, placed.why) == (1, "empty")
+    assert not placed.offer.resume.guest
+
+
+def test_with_every_slot_taken_the_least_recently_used_goes():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), _ids(2000, 300), _ids(3000, 300)]
+    placed = place(_ids(9000, 300), None, SHARED, _facts(held, rows, used=[4, 2, 1, 3]),
+                   CHUNK)
+    assert (placed.slot, placed.why) == (2, "lru")
+
+
+def test_a_guest_with_every_slot_taken_stashes_in_the_least_recently_used():
+    _, _, held = _slots()
+    rows = [_ids(0, 2000), _ids(3000, 2000), _ids(6000, 2000), _ids(9000, 2000)]
+    placed = place(_ids(20000, 40), None, SHARED, _facts(held, rows, used=[4, 2, 1, 3]),
+                   CHUNK)
+    assert (placed.slot, placed.why) == (2, "lru") and placed.offer.resume.guest
+
+
+def test_the_parked_conversation_comes_back_to_the_slot_it_left():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    placed = place(_ids(0, 64) + _ids(4000, 200), None, SHARED, _facts(held, rows), CHUNK,
+                   park_slot=0, park_point=250)
+    assert (placed.slot, placed.why) == (0, "park")
+    # Its session key finds it there too, before any empty slot.
+    placed = place(_ids(7000, 200), "ses_p", SHARED, _facts(held, rows), CHUNK, park_slot=0,
+                   park_point=150, park_session="ses_p")
+    assert (placed.slot, placed.why) == (0, "park")
+
+
+def test_the_slots_share_one_budget_and_each_counts_its_part():
+    shared, shares, held = _slots()
+    held[0].anchors.add(64, SectionsCopy.take(_state()))
+    held[2].anchors.add(64, SectionsCopy.take(_state()))
+    held[2].anchors.add(128, SectionsCopy.take(_state()))
+    check_shares(shared, shares)
+    assert shares[0].held["anchors"] * 3 == shared.held["anchors"]
+    for h, n in zip(held, (1, 0, 2, 0)):
+        h.check_invariants(_ids(0, 200))
+        assert len(h.anchors.copies) == n
+    shared.budgets["anchors"] = shared.held["anchors"]  # full: nobody takes more
+    assert not shares[1].reserve("anchors", 1)
+    with pytest.raises(AssertionError):
+        shares[1].release("anchors", 1)  # a part never gives back what it does not hold

@@ -1,0 +1,189 @@
+"""Slots through the HTTP server (tandem/cache/slots.py), on the small real model: several
+conversations stay in place at once, each resumes at its own end anchor every turn whatever
+came between, and answers as a server that forwards every prompt cold (greedy gate: the rows
+past the end were written by decoding).
+
+The reference is a server with the caches off, the conversations interleaved so that its
+engine never extends the rows in place: each of its prompts runs from token 0."""
+
+import msgspec
+
+from tandem.config import CacheConfig
+from tandem.server.app import build_app
+from tandem.server.keys import CACHE_STATS
+
+SYSTEM = "You are a careful assistant who answers in one short line. " * 8
+
+
+def _cache(resp) -> dict:
+    return resp.usage.model_extra["tandem"]["cache"]
+
+
+def _words(seed: int, n: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 5003}" for i in range(n))
+
+
+async def _run(client, order, first_user, turns_follow):
+    """Play the conversations in ``order`` (names) on the completions route: each turn sends
+    the conversation so far as text, the model's own greedy answers in it, and a new line.
+    Returns every response."""
+    texts = {name: SYSTEM + first_user(name) for name in set(order)}
+    turn = {name: 0 for name in texts}
+    out = []
+    for name in order:
+        resp = await client.completions.create(model="small", prompt=texts[name], max_tokens=6,
+                                               temperature=0)
+        out.append((name, turn[name], resp))
+        turn[name] += 1
+        texts[name] += resp.choices[0].text + turns_follow(name, turn[name])
+    return out
+
+
+async def _both(small_loaded, make_config, serve, sdk, order, first_user, follow, **knobs):
+    config = make_config(window=4096, **knobs)
+    async with serve(build_app(config, small_loaded)) as server:
+        slots = await _run(sdk(server), order, first_user, follow)
+        stats = await server.app[CACHE_STATS]()
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        reference = await _run(sdk(server), order, first_user, follow)
+    for (name, turn, got), (_, _, want) in zip(slots, reference):
+        assert _cache(want)["source"] == "cold", (name, turn)
+        # The greedy gate: the same tokens as prompts forwarded from token 0.
+        assert got.choices[0].text == want.choices[0].text, (name, turn)
+    return slots, stats
+
+
+async def test_two_conversations_alternating_each_resume_at_their_own_end(
+        small_loaded, make_config, serve, sdk):
+    slots, stats = await _both(small_loaded, make_config, serve, sdk, "ABABAB",
+                               lambda name: _words(ord(name), 120),
+                               lambda name, turn: f"Turn {turn} of {name}: " + _words(turn, 8))
+    for name, turn, resp in slots:
+        cache = _cache(resp)
+        if turn == 0:
+            continue
+        assert cache["source"] == "end", (name, turn, cache)
+        assert cache["reread"] < 60, (name, turn, cache)  # the new line, not the history
+    assert {resp.usage.model_extra["tandem"]["cache"]["slot"] for name, _, resp in slots
+            if name == "A"} == {0}
+    assert {resp.usage.model_extra["tandem"]["cache"]["slot"] for name, _, resp in slots
+            if name == "B"} == {1}
+    resident = stats["tiers"]["resident"]
+    assert resident["guests"] == 0 and resident["end_hits"] == 4
+    assert stats["owners"]["park"]["parks"] == 0  # nobody left a slot
+
+
+async def test_four_conversations_then_the_first_again_resumes_at_its_end(
+        small_loaded, make_config, serve, sdk):
+    slots, stats = await _both(small_loaded, make_config, serve, sdk, "ABCDA",
+                               lambda name: _words(ord(name), 80),
+                               lambda name, turn: f"And {name} again: " + _words(turn, 6))
+    name, turn, last = slots[-1]
+    assert (name, turn) == ("A", 1)
+    assert _cache(last)["source"] == "end" and _cache(last)["slot"] == 0
+    assert sorted(_cache(resp)["slot"] for _, _, resp in slots[:4]) == [0, 1, 2, 3]
+    assert len(stats["owners"]["resident"]["slots"]) == 4
+
+
+async def test_a_short_conversation_beside_a_long_one_resumes_at_its_end_every_turn(
+        small_loaded, make_config, serve, sdk):
+    """The short one is under a quarter of the long one: with one slot it would be a guest
+    and keep nothing; with slots it takes a side slot, needs no stash and keeps its end."""
+    order = "LSLSLS"
+    slots, stats = await _both(small_loaded, make_config, serve, sdk, order,
+                               lambda name: _words(3, 400) if name == "L" else "Hi there.",
+                               lambda name, turn: f"More {turn}.")
+    for name, turn, resp in slots:
+        if turn:
+            assert _cache(resp)["source"] == "end", (name, turn, _cache(resp))
+    resident = stats["tiers"]["resident"]
+    assert resident["guests"] == 0 and resident["stash_bytes"] == 0
+
+
+async def test_one_slot_serves_the_short_conversation_as_a_guest_that_keeps_nothing(
+        small_loaded, make_config, serve, sdk):
+    """The same conversations with ``parallel`` 1: the short one is a guest every turn and
+    re-reads its whole prompt, which is what the side slot saves."""
+    config = make_config(window=4096, parallel=1)
+    async with serve(build_app(config, small_loaded)) as server:
+        slots = await _run(sdk(server), "LSLS",
+                           lambda name: _words(3, 400) if name == "L" else "Hi there.",
+                           lambda name, turn: f"More {turn}.")
+        stats = await server.app[CACHE_STATS]()
+    short = [resp for name, turn, resp in slots if name == "S"]
+    assert all(_cache(resp)["source"] != "end" for resp in short)
+    assert stats["tiers"]["resident"]["guests"] == 2
+
+
+async def test_every_slot_is_reported_in_stats_console_metrics_usage_and_journal(
+        small_loaded, make_config, serve, sdk):
+    import aiohttp
+
+    from tandem.server.keys import ENGINE, JOURNAL
+
+    config = make_config(window=4096)
+    app = build_app(config, small_loaded)
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        slots = await _run(sdk(server), "ABA", lambda name: _words(ord(name), 150),
+                           lambda name, turn: f"Next {turn}.")
+        stats = await app[CACHE_STATS]()
+        snapshot = app[ENGINE].snapshot()
+        async with http.get(f"http://127.0.0.1:{server.port}/metrics") as resp:
+            metrics = await resp.text()
+        rows = app[JOURNAL].tail(3)
+    assert [_cache(resp)["slot"] for _, _, resp in slots] == [0, 1, 0]
+    assert [row["slot"] for row in rows] == [0, 1, 0]
+    owners = stats["owners"]["resident"]["slots"]
+    assert [s["slot"] for s in owners] == [0, 1, 2, 3]
+    assert owners[0]["end"] is not None and owners[1]["end"] is not None
+    assert owners[2]["end"] is None and owners[2]["anchors"] == []
+    assert stats["owners"]["resident"]["placements"] == {"empty": 2, "continues": 1}
+    per_slot = stats["tiers"]["resident"]["slots"]
+    assert per_slot[0]["rows_in_place"] > per_slot[1]["rows_in_place"] > 0
+    assert [s["rows_in_place"] > 0 for s in snapshot["slots"]] == [True, True, False, False]
+    assert not any(s["busy"] for s in snapshot["slots"])
+    assert "tandem_slots_idle 4.0" in metrics and "tandem_slots_busy 0.0" in metrics
+    assert "tandem_slots_holding 2.0" in metrics
+
+
+async def test_a_refusal_for_memory_with_a_slot_held_costs_that_conversation_nothing(
+        small_loaded, make_config, serve, sdk):
+    """A's conversation is in its slot when B's prefill cannot fit: B gets a 503 with
+    Retry-After, and A's next turn still resumes over its rows in place (the slots' rows are
+    no cache the governor sheds) with the answer of a cold server."""
+    import aiohttp
+
+    from tandem.cache.governor import CpuAllocator
+
+    config = make_config(window=4096)
+    app = build_app(config, small_loaded)
+    text = SYSTEM + _words(1, 150)
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        url = f"http://127.0.0.1:{server.port}"
+        client = sdk(server)
+        first = await client.completions.create(model="small", prompt=text, max_tokens=6,
+                                                temperature=0)
+        text += first.choices[0].text + " And then?"
+        async with http.post(url + "/v1/memory/limits", json={
+                "mem_ceiling_gib": 0.002, "mem_peak_gib": 0.004,
+                "reserve_slack_gib": 0.001}) as resp:
+            assert resp.status == 200
+        body = {"model": "small", "prompt": _words(9, 200), "max_tokens": 4, "temperature": 0}
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 503 and int(resp.headers["Retry-After"]) >= 1
+            assert (await resp.json())["error"]["code"] == "no_memory"
+        machine_gib = CpuAllocator().total_nbytes() / (1 << 30)
+        async with http.post(url + "/v1/memory/limits", json={
+                "mem_ceiling_gib": machine_gib * 0.9, "mem_peak_gib": machine_gib,
+                "reserve_slack_gib": 0.25}) as resp:
+            assert resp.status == 200
+        second = await client.completions.create(model="small", prompt=text, max_tokens=6,
+                                                 temperature=0)
+        assert _cache(second)["slot"] == 0 and _cache(second)["source"] in ("end", "resident")
+        assert _cache(second)["reread"] < 20
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        want = await sdk(server).completions.create(model="small", prompt=text, max_tokens=6,
+                                                    temperature=0)
+    assert second.choices[0].text == want.choices[0].text
