@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.models import checkpoint, fields, moe, quant, rope
+from tandem.models import checkpoint, fields, moe, quant, rope, rows
 from tandem.models.base import Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -299,8 +299,13 @@ class HybridModel:
         conv = torch.zeros(len(self.gdn_layers), c.conv_dim, c.linear_conv_kernel_dim - 1,
                            dtype=self.dtype)
         kv_shape = (len(self.attn_layers), c.num_key_value_heads, window, c.head_dim)
-        k = torch.zeros(kv_shape, dtype=self.dtype)
-        v = torch.zeros(kv_shape, dtype=self.dtype)
+        # Untouched pages: a page of rows is backed only once a forward writes it (the window's
+        # zeros touched every page up front, 1.5 GiB at 0.8B-like dims and 64k rows), and
+        # rows.release_rows gives pages above a length back. No read sees a row above the
+        # length: attention slices the keys to [0, end) and writes rows [start, end) first,
+        # and every cache copies views by rows under the length.
+        k = rows.empty_rows(kv_shape, self.dtype)
+        v = rows.empty_rows(kv_shape, self.dtype)
         return ModelState(sections={"gdn.S": s, "gdn.conv": conv},
                           views={"K": View(k, 2), "V": View(v, 2)})
 
