@@ -116,7 +116,7 @@ def measure(path: Path, tokens: int, window: int | None, chunk: int | None,
     engine = Engine(model, window=window, prefix_chunk=chunk, num_threads=e.num_threads)
     out["engine"] = status()
     cost = engine.cost()
-    out["cost"] = {"workspace": cost.workspace_nbytes(min(tokens, chunk)),
+    out["cost"] = {"workspace": cost.workspace_nbytes(tokens),
                    "rows": cost.row_nbytes * window, "row_nbytes": cost.row_nbytes,
                    "state": cost.state_nbytes}
     out["window"], out["chunk"], out["tokens"] = window, chunk, tokens
@@ -185,9 +185,11 @@ def report(r: dict) -> None:
     base = r["before_prefill"]["RssAnon"]
     print(f"peak RSS during the prefill (VmHWM{'' if r['peak_reset'] else ', not reset'}): "
           f"{peak / MiB:.0f} MiB = {peak / w:.3f} x the weights' bytes")
-    print(f"peak anon during the prefill: {anon_peak / MiB:.0f} MiB, {(anon_peak - base) / MiB:.0f}"
-          f" MiB over before it; cost().workspace_nbytes(chunk) = "
-          f"{r['cost']['workspace'] / MiB:.0f} MiB")
+    rows = r["cost"]["row_nbytes"] * r["tokens"]
+    print(f"peak anon during the prefill (sampled): {anon_peak / MiB:.0f} MiB, "
+          f"{(anon_peak - base) / MiB:.0f} MiB over before it: the rows written "
+          f"{rows / MiB:.0f} MiB and a workspace of {(anon_peak - base - rows) / MiB:.0f} MiB "
+          f"against cost().workspace_nbytes({r['tokens']}) = {r['cost']['workspace'] / MiB:.0f} MiB")
     print("  by phase (anon peak over before the prefill, MiB): " + ", ".join(
         f"{k} {(v - base) / MiB:.0f}" for k, v in sorted(r["phase_peak_anon"].items())))
     print(f"K/V rows: {r['cost']['row_nbytes']} bytes a token, the window's "
