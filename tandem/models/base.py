@@ -58,10 +58,14 @@ class Cost:
     workspace_floor_nbytes: int  # a prefill's transient memory: floor + per token, capped
     workspace_per_token_nbytes: int
     workspace_cap_nbytes: int
+    # What grows with the context a chunk attends over, uncapped (the attention mask of a chunk
+    # against every row so far): num_tokens is the prefill's context length.
+    workspace_per_context_token_nbytes: int = 0
 
     def workspace_nbytes(self, num_tokens: int) -> int:
-        return min(self.workspace_cap_nbytes,
-                   self.workspace_floor_nbytes + self.workspace_per_token_nbytes * num_tokens)
+        return (min(self.workspace_cap_nbytes,
+                    self.workspace_floor_nbytes + self.workspace_per_token_nbytes * num_tokens)
+                + self.workspace_per_context_token_nbytes * num_tokens)
 
     def snapshot_nbytes(self, num_tokens: int) -> int:
         return self.state_nbytes + self.row_nbytes * num_tokens

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
-from tandem.models import checkpoint, fields, moe, quant, rope
+from tandem.models import checkpoint, fields, moe, quant, rope, rows
 from tandem.models.base import Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -299,8 +299,13 @@ class HybridModel:
         conv = torch.zeros(len(self.gdn_layers), c.conv_dim, c.linear_conv_kernel_dim - 1,
                            dtype=self.dtype)
         kv_shape = (len(self.attn_layers), c.num_key_value_heads, window, c.head_dim)
-        k = torch.zeros(kv_shape, dtype=self.dtype)
-        v = torch.zeros(kv_shape, dtype=self.dtype)
+        # Untouched pages: a page of rows is backed only once a forward writes it (the window's
+        # zeros touched every page up front, 1.5 GiB at 0.8B-like dims and 64k rows), and
+        # rows.release_rows gives pages above a length back. No read sees a row above the
+        # length: attention slices the keys to [0, end) and writes rows [start, end) first,
+        # and every cache copies views by rows under the length.
+        k = rows.empty_rows(kv_shape, self.dtype)
+        v = rows.empty_rows(kv_shape, self.dtype)
         return ModelState(sections={"gdn.S": s, "gdn.conv": conv},
                           views={"K": View(k, 2), "V": View(v, 2)})
 
@@ -314,15 +319,21 @@ class HybridModel:
         inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1),
                     c.shared_expert_intermediate_size)
         # Activations of one chunk token: residual, norms, projections, MLP (fp32 upper bound),
-        # and a MoE token's k routed copies of its row with their outputs.
+        # and a MoE token's k routed copies of its row with their outputs. Measured at 0.8B-like
+        # dims (scripts/bench_memory.py --attribute): a GDN layer's call peaks at 123 KiB a chunk
+        # token over its input (the conv's input, padded copy and output side by side), attention
+        # at 65, the MLP at 42, under this bound's 162.
         per_token = 4 * (8 * c.hidden_size + 3 * inter + 3 * c.conv_dim + 2 * c.value_dim
                          + 2 * c.num_experts_per_tok * c.hidden_size)
-        # Attention scores of a chunk against the whole window, the largest single buffer.
-        scores = 4 * c.num_attention_heads * prefix_chunk * window
-        floor = 32 << 20
+        # SDPA never holds a chunk's scores (its CPU flash kernel and CUDA's work in blocks), but
+        # the chunk's mask against every key so far is held twice: as bool and in the dtype.
+        per_context = (1 + el) * prefix_chunk
+        # Prompt logprobs: a slice of logits and its log-softmax, fp32.
+        floor = (32 << 20) + 2 * LOGITS_SLICE * c.vocab_size * 4
         return Cost(state_nbytes=state, row_nbytes=row, workspace_floor_nbytes=floor,
                     workspace_per_token_nbytes=per_token,
-                    workspace_cap_nbytes=floor + per_token * prefix_chunk + scores)
+                    workspace_cap_nbytes=floor + per_token * prefix_chunk,
+                    workspace_per_context_token_nbytes=per_context)
 
     def manifest(self) -> dict[str, str]:
         from tandem.kernels import reference

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.models.base import Cost, ModelState, View, digest_tensors
+from tandem.models.rows import empty_rows
 
 
 class ThirdModel:
@@ -43,9 +44,10 @@ class ThirdModel:
         return ModelState(
             sections={"rnn.h": torch.zeros(d), "mix.m": torch.zeros(2, d, 3),
                       "tail.x": torch.zeros(2, d)},
-            views={"keys": View(torch.zeros(window, d, dtype=self.dtype), 0),
-                   "vals": View(torch.zeros(self.heads, window, self.head_dim, dtype=self.dtype), 1),
-                   "gate": View(torch.zeros(4, window, dtype=self.dtype), 1)})
+            # Uninitialised as the hybrid's: rows are backed as a forward writes them.
+            views={"keys": View(empty_rows((window, d), self.dtype), 0),
+                   "vals": View(empty_rows((self.heads, window, self.head_dim), self.dtype), 1),
+                   "gate": View(empty_rows((4, window), self.dtype), 1)})
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
