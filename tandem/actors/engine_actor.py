@@ -79,6 +79,7 @@ from tandem.cache.resident import (Decided, ParkOffer, ResidentOffer, ResidentPr
 from tandem.cache.store import StateStore
 from tandem.engine import ContextOverflow, Engine, SamplingParams
 from tandem.models.base import ModelError
+from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
 
 log = structlog.get_logger("tandem.engine")
@@ -263,6 +264,7 @@ class EngineActor(Actor):
         # The rows each slot has backed, in whole blocks of grid rows (its high water since
         # it was last released), and one row's bytes over every view.
         self._slot_backed: list[int] = [0] * parallel
+        self._thread_backed: list[int] = [0] * parallel  # the same, the engine thread's
         self._row_nbytes = 0
         self.governor_actor = governor_actor
         # The slot the parked conversation was parked from (its head is in that slot's rows).
@@ -340,7 +342,8 @@ class EngineActor(Actor):
         try:
             self.engine = await self._loop.run_in_executor(self._executor, self._build)
             self.view = await self._loop.run_in_executor(self._executor, self._engine_view)
-            self._row_nbytes = self.engine.cost().row_nbytes
+            if self._tiers is not None:  # the slots' rows are counted with the tiers only
+                self._row_nbytes = self.engine.cost().row_nbytes
         except BaseException:
             self._executor.shutdown(wait=False, cancel_futures=True)
             raise
@@ -912,16 +915,34 @@ class EngineActor(Actor):
             self._hand_over_rows()
 
     def _hand_over_rows(self) -> None:
-        """On the engine thread: the rows it left in place and their taint, to the loop."""
+        """On the engine thread: the rows it left in place and their taint, to the loop; the
+        pages of the rows above the block holding the last one go back to the OS first (a
+        conversation that left the slot, or was cut back, holds its memory no longer)."""
         engine = self.engine
         rows = list(engine.token_ids) if self._tiers is not None else None
-        self._to_loop(self._ended, engine.length, engine.taint, rows)
+        backed = self._release_unused(engine) if self._tiers is not None else None
+        self._to_loop(self._ended, engine.length, engine.taint, rows, backed)
 
-    def _ended(self, rows_in_place: int, taint: int | None, rows: list[int] | None) -> None:
+    def _release_unused(self, engine: Engine) -> int:
+        """On the engine thread: the slot's rows backed after releasing those above the
+        block of its length (tandem.models.rows.release_rows)."""
+        slot = self._slot
+        keep = self._blocks(engine.length)
+        if keep < engine.window:
+            # Every time: rows above the length may have been written during the job (a
+            # guest's, a verify block's) though the length was never above ``keep`` after it.
+            released = release_rows(engine.state, keep)
+            if self._thread_backed[slot] > keep:
+                log.info("slot_rows_released", slot=slot,
+                         rows=self._thread_backed[slot] - keep, skipped=len(released.skipped))
+        self._thread_backed[slot] = keep
+        return keep
+
+    def _ended(self, rows_in_place: int, taint: int | None, rows: list[int] | None,
+               backed: int | None = None) -> None:
         self.view = msgspec.structs.replace(self.view, rows_in_place=rows_in_place, taint=taint)
         self._slot_taint[self._slot] = taint
-        backed = max(self._slot_backed[self._slot], self._blocks(rows_in_place))
-        if backed != self._slot_backed[self._slot]:
+        if backed is not None and backed != self._slot_backed[self._slot]:
             self._slot_backed[self._slot] = backed
             self._report_slots()
         if rows is not None:

@@ -229,20 +229,20 @@ async def test_the_governor_admits_a_plan_on_the_loop_shedding_lent_tiers_or_ref
         admitted: list[dict] = []
         admit = governor.admit_prefill
 
-        async def watched(*args):
-            workspace = await admit(*args)
+        async def watched(*args, **kwargs):
+            workspace = await admit(*args, **kwargs)
             admitted.append(dict(governor.stats.shed_total))
             return workspace
 
         governor.admit_prefill = watched
-        workspace = governor.workspace_nbytes(100)
+        workspace = governor.workspace_nbytes(80)
         # The peak leaves the next prefill's workspace room only once the anchors and the
-        # prompt-end anchor are gone.
+        # prompt-end anchor are gone (its rows are within those the first one backed).
         base = process.BASE + sum(memory.held.values())
         governor.set_limits(MemoryLimits(
             base - anchors - memory.held["prompt_end"] + 1, base + workspace - anchors
             - memory.held["prompt_end"], 1))
-        _, done = await run_generation(harness, client, "b", _prompt(100, 2))
+        _, done = await run_generation(harness, client, "b", _prompt(80, 2))
         assert isinstance(done, GenerationFinished)
         plans = [e for e in harness.trace.entries() if e.type == "PrefillPlan"]
         assert len(plans) == 2

@@ -6,9 +6,11 @@ past the end were written by decoding).
 The reference is a server with the caches off, the conversations interleaved so that its
 engine never extends the rows in place: each of its prompts runs from token 0."""
 
+import asyncio
+
 import msgspec
 
-from tandem.config import CacheConfig
+from tandem.config import CacheConfig, SpeculationConfig
 from tandem.server.app import build_app
 from tandem.server.keys import CACHE_STATS
 
@@ -187,3 +189,77 @@ async def test_a_refusal_for_memory_with_a_slot_held_costs_that_conversation_not
         want = await sdk(server).completions.create(model="small", prompt=text, max_tokens=6,
                                                     temperature=0)
     assert second.choices[0].text == want.choices[0].text
+
+
+async def test_a_request_that_leaves_mid_stream_costs_the_other_slots_nothing(
+        small_loaded, make_config, serve, sdk):
+    """B's client leaves in the middle of its answer: B's slot is cut back, and A, in its own
+    slot, resumes at its end with the answer of a cold server."""
+    import aiohttp
+
+    from tandem.server.keys import JOURNAL
+
+    config = make_config(window=4096)
+    app = build_app(config, small_loaded)
+    text = SYSTEM + _words(2, 150)
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        client = sdk(server)
+        first = await client.completions.create(model="small", prompt=text, max_tokens=6,
+                                                temperature=0)
+        text += first.choices[0].text + " Go on."
+        body = {"model": "small", "prompt": _words(5, 200), "max_tokens": 400,
+                "temperature": 0, "stream": True}
+        async with http.post(f"http://127.0.0.1:{server.port}/v1/completions",
+                             json=body) as resp:
+            assert (await resp.content.readline()).startswith(b"data: ")
+        # leaving the block closed the connection mid-stream
+        for _ in range(400):
+            if len(app[JOURNAL].tail(2)) == 2:
+                break
+            await asyncio.sleep(0.05)
+        rows = app[JOURNAL].tail(2)
+        assert rows[-1]["finish_reason"] == "cancelled"
+        second = await client.completions.create(model="small", prompt=text, max_tokens=6,
+                                                 temperature=0)
+        assert _cache(second)["slot"] == 0 and _cache(second)["source"] == "end"
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        want = await sdk(server).completions.create(model="small", prompt=text, max_tokens=6,
+                                                    temperature=0)
+    assert second.choices[0].text == want.choices[0].text
+
+
+async def test_four_conversations_at_once_answer_as_each_alone(small_loaded, make_config, serve,
+                                                              sdk):
+    """Four conversations sent together, twice: each first turn's tokens and logprobs are the
+    bits of the same prompt alone on a fresh server (gate 1: every state a cold prefill's),
+    each second turn (resumed at its end in its own slot) the tokens of a cold server.
+    Speculation off: a verify block's logprobs round otherwise than a decode step's, and the
+    suffix store would draft one conversation from another's text."""
+    config = msgspec.structs.replace(make_config(window=4096),
+                                     speculation=SpeculationConfig(speculation="off"))
+
+    async def turn(client, prompts):
+        return await asyncio.gather(*(client.completions.create(
+            model="small", prompt=p, max_tokens=6, temperature=0, logprobs=3) for p in prompts))
+
+    firsts = [SYSTEM + f"Conversation {i}. " + _words(40 + i, 100) for i in range(4)]
+    async with serve(build_app(config, small_loaded)) as server:
+        client = sdk(server)
+        one = await turn(client, firsts)
+        seconds = [p + r.choices[0].text + " Then?" for p, r in zip(firsts, one)]
+        two = await turn(client, seconds)
+    assert sorted(_cache(r)["slot"] for r in one) == [0, 1, 2, 3]
+    assert [_cache(r)["slot"] for r in two] == [_cache(r)["slot"] for r in one]
+    assert all(_cache(r)["source"] == "end" for r in two)
+    for i, prompt in enumerate(firsts):
+        async with serve(build_app(config, small_loaded)) as server:
+            alone = (await turn(sdk(server), [prompt]))[0]
+        assert one[i].choices[0].text == alone.choices[0].text
+        assert one[i].choices[0].logprobs.token_logprobs == alone.choices[0].logprobs.token_logprobs
+        assert one[i].choices[0].logprobs.top_logprobs == alone.choices[0].logprobs.top_logprobs
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        client = sdk(server)
+        want = [(await turn(client, [p]))[0] for p in seconds]
+    assert [r.choices[0].text for r in two] == [r.choices[0].text for r in want]
