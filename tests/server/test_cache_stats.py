@@ -128,7 +128,7 @@ async def test_each_owner_keeps_its_own_accounts_and_tells_the_governor_what_it_
         async with http.get(f"http://127.0.0.1:{server.port}/v1/memory") as resp:
             levels = (await resp.json())["levels"]
     told = actors["governor"].held
-    assert set(told) == {"resident", "park", "store"}
+    assert set(told) == {"resident", "park", "store", "slots"}
     own = {**resident.holdings.anchors.memory.holding(), **park.holdings.park.memory.holding(),
-           **store.core.memory.holding()}
-    assert levels == own and levels["end"] > 0 and levels["store"] > 0
+           **store.core.memory.holding(), "slots": actors["engine"].slot_rows_nbytes()}
+    assert levels == own and levels["end"] > 0 and levels["store"] > 0 and levels["slots"] > 0

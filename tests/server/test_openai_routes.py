@@ -32,7 +32,7 @@ async def test_a_chat_completion_answers_with_reasoning_and_full_usage(server, s
     assert u.completion_tokens == 5 and u.total_tokens == u.prompt_tokens + 5
     assert u.prompt_tokens_details.cached_tokens == 0
     assert u.model_extra["tandem"]["cache"] == {"tier": None, "source": "cold", "cached": 0,
-                                                "reread": u.prompt_tokens}
+                                                "reread": u.prompt_tokens, "slot": 0}
 
 
 async def test_seeded_sampling_gives_the_same_answer_twice(server, sdk):
