@@ -58,6 +58,7 @@ def test_causal_conv_matches_the_per_token_loop_and_keeps_the_tail(seq_len):
     want_y, want_tail = conv_naive(x, tail, weight)
     t = tail.clone()
     y = reference.causal_conv1d(x, t, weight)
+    assert y.is_contiguous()  # the rows the delta rule reads, not a transposed view
     assert torch.allclose(y.double(), want_y, atol=1e-5)
     assert torch.allclose(t.double(), want_tail, atol=0)
 
