@@ -387,7 +387,9 @@ class Engine:
         with torch.inference_mode():
             for start, end in grid_chunks(n, len(token_ids), self.prefix_chunk):
                 if scorer is None:
-                    logits = self.model.forward(self.state, ids[start:end], start)
+                    # Only the last chunk's logits are read: the others skip the head.
+                    logits = self.model.forward(self.state, ids[start:end], start,
+                                                logits=end == len(token_ids))
                 else:
                     logits = self.model.forward(
                         self.state, ids[start:end], start,

@@ -347,8 +347,11 @@ class HybridModel:
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
-                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                on_logits: Callable[[int, torch.Tensor], None] | None = None,
+                logits: bool = True) -> torch.Tensor | None:
         x = self._layers(state, token_ids, start, "decode" if decode else "prefill", None)
+        if not logits and on_logits is None:
+            return None  # a prefill chunk before the last: the head reads the whole vocab matrix
         eps = self.config.rms_norm_eps
         if on_logits is not None:
             # Every position but the last, a slice at a time: a chunk's logits whole are
