@@ -395,7 +395,7 @@ class Engine:
                         self.state, ids[start:end], start,
                         on_logits=lambda first, rows, at=start: scorer.rows(at + first, rows))
                     scorer.last(end - 1, logits)
-                self.token_ids.extend(int(t) for t in ids[start:end])
+                self.token_ids.extend(ids[start:end].tolist())
                 if on_chunk is not None:
                     on_chunk(end)
         return logits
