@@ -6,7 +6,8 @@ chunks and exp's denormals, the depthwise conv through F.conv1d, and the head ov
 (the engine reads the last chunk's alone); "new" is the code as it stands. The attention mask
 built once a forward and the token ids' tolist run in both columns. The two alternate in
 rounds, the best of --rounds each. On a shared machine use --threads 1: two OpenMP threads
-against other processes' load spin-wait (100 tok/s at 1k with a load of 5 on 2 cores). The 0.8B-like model is drawn with the tests' recipe
+against other processes' load spin-wait (100 tok/s at 1k with a load of 5 on 2 cores).
+The 0.8B-like model is drawn with the tests' recipe
 (tests/small_hybrid.py: tiny's weights, the long-memory decays) at Qwen3.5-0.8B's shapes:
 24 layers (3 GDN : 1 attention), hidden 1,024, fp32, 3.0 GB.
 
