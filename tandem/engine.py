@@ -387,13 +387,15 @@ class Engine:
         with torch.inference_mode():
             for start, end in grid_chunks(n, len(token_ids), self.prefix_chunk):
                 if scorer is None:
-                    logits = self.model.forward(self.state, ids[start:end], start)
+                    # Only the last chunk's logits are read: the others skip the head.
+                    logits = self.model.forward(self.state, ids[start:end], start,
+                                                logits=end == len(token_ids))
                 else:
                     logits = self.model.forward(
                         self.state, ids[start:end], start,
                         on_logits=lambda first, rows, at=start: scorer.rows(at + first, rows))
                     scorer.last(end - 1, logits)
-                self.token_ids.extend(int(t) for t in ids[start:end])
+                self.token_ids.extend(ids[start:end].tolist())
                 if on_chunk is not None:
                     on_chunk(end)
         return logits

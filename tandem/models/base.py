@@ -96,12 +96,15 @@ class Model(Protocol):
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
-                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                on_logits: Callable[[int, torch.Tensor], None] | None = None,
+                logits: bool = True) -> torch.Tensor | None:
         """Forward ``token_ids`` at positions ``start..start+len`` over rows ``0..start`` already
         in ``state``; write their rows and advance the sections. Returns the last position's
         logits in fp32 ``[vocab]``. ``on_logits(i, rows)`` (prompt logprobs) gets the fp32
         logits of every other position, in order and in slices (``rows[j]`` is position
-        ``start + i + j``); the last position's logits are computed as without it."""
+        ``start + i + j``); the last position's logits are computed as without it.
+        ``logits=False`` without ``on_logits`` (a prefill chunk before the last) may skip the
+        head and return None; the rows and sections are written as with it."""
         ...
 
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,

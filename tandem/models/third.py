@@ -51,7 +51,8 @@ class ThirdModel:
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
-                on_logits: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                on_logits: Callable[[int, torch.Tensor], None] | None = None,
+                logits: bool = True) -> torch.Tensor:
         h, m, tail = (state.sections[k] for k in ("rnn.h", "mix.m", "tail.x"))
         return self._run(state, token_ids, start, h, m, tail, None, on_logits)[-1]
 

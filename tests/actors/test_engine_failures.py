@@ -38,9 +38,9 @@ class Flaky:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def forward(self, state, token_ids, start, decode=False):
+    def forward(self, state, token_ids, start, decode=False, **kw):
         self.calls += 1
-        logits = self.model.forward(state, token_ids, start, decode=decode)
+        logits = self.model.forward(state, token_ids, start, decode=decode, **kw)
         if self.calls in self.fail_at:
             raise RuntimeError("injected failure")
         return logits
