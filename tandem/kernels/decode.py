@@ -1,24 +1,26 @@
-"""Decode's matmul over the rows of a batch, one row a sequence, each row's bits its own.
+"""Decode's kernels for a batch of B sequences, one row a sequence, each row's bits its own.
 
 A batched decode step runs every projection as one matmul over its B rows so that the weights are
 read once a step. A sequence's logits must then be the same bits alone and in any batch at any
-place (issue 14, part 3), so the kernel must give a row the same sums whatever the other rows and
-however many. Measured with torch 2.13's CPU build (MKL 2024.2) on 2 and 1 threads, fp32 and
-bf16, for every decode shape of `tiny` and of a Qwen3.5-0.8B-like model (hidden 256 to 1,024,
-outputs 256 to 248,320; tests/kernels/test_decode_rows.py holds it):
+place (issue 14, part 3), so the matmul must give a row the same sums whatever the other rows and
+however many. Measured with torch 2.13's CPU build (MKL 2024.2) on 2 threads, fp32 and bf16
+(tests/kernels/test_decode_rows.py holds it on tiny's, a 0.8B-like model's and the small test
+models' shapes):
 
-- ``F.linear`` at M = 1 is a GEMV whose sums round in another order than any M >= 2;
-- ``F.linear`` at M = 2..9 (2..12 for K >= 512) is one kernel, the same bits per row whatever
-  the other rows and their number; at M >= 12 to 16 it blocks otherwise and the bits move;
-- ``torch.mm(W, X^T)`` is one class for M = 2..33, but reads the weights at about half
-  ``F.linear``'s rate at M = 2, where ``F.linear`` matches the GEMV (57 GB/s at hidden 1,024 out
-  of cache; 24-27 GB/s on tiny's 248k-row head, numpy's rate on the same matrix).
+- ``F.linear`` at M = 1 is a GEMV whose sums round otherwise than at any M >= 2;
+- which M share bits depends on the shape: M = 2..9 on every shape with K >= 256, but only
+  M = 2 at K = 64 (hidden 64) and M = 2..5 at K = 128; ``torch.mm(W, X^T)`` is one class for
+  M = 2..33 at large N but not at N = 8 or 64, and reads at half F.linear's rate at M = 2;
+- at a FIXED M (2, 3, 4, 6, 8, 16 tried) ``F.linear`` gives a row the same bits at every place
+  of the call, whatever the other rows, on every shape tried (K 24 to 3,584, N 8 to 248,320);
+- ``F.linear`` reads the weights at M = 2 and 3 as fast as the GEMV at M = 1 (56-57 GB/s at
+  hidden 1,024 out of cache, 24-27 GB/s on tiny's 248k-row head), at about half that from M = 4
+  (29) and a third at M = 8 (19).
 
-So every call runs at 2 <= M <= BLOCK rows: one row is padded to two (a stride-0 copy of itself,
-the second result dropped), a batch above BLOCK goes in blocks. A single sequence's decode runs
-this very path at B = 1, so alone and batched are the same bits. F.linear reads the weights at
-M = 2..3 as fast as at 1 and slower per call above (about 1/2 at 4 rows, 1/3 at 8), still 2-2.7
-rows' worth a read.
+So every call runs at exactly BLOCK = 3 rows: fewer rows are padded (copies of the first, their
+results dropped), more go in blocks of 3, the last block taking earlier rows again (the same
+bits twice). One sequence's decode runs this very path at B = 1, so alone and batched are the
+same bits; a step reads the weights ceil(B / 3) times, each read at the GEMV's rate.
 """
 
 from __future__ import annotations
@@ -26,22 +28,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 8  # the most rows one matmul takes: the invariant class is 2..9 on every shape measured
+BLOCK = 3  # the rows of every decode matmul: M = 3 is the largest read at the GEMV's rate
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for x [B, K], weight [N, K]: [B, N], row b's bits a function of x[b]."""
     b = x.shape[0]
-    if b == 1:
-        return F.linear(x.expand(2, -1), weight)[:1]
-    if b <= BLOCK:
+    if b == BLOCK:
         return F.linear(x, weight)
+    if b < BLOCK:
+        return F.linear(torch.cat([x, x[:1].expand(BLOCK - b, -1)]), weight)[:b]
     out = x.new_empty(b, weight.shape[0])
     for a in range(0, b, BLOCK):
-        e = min(a + BLOCK, b)
-        s = a - 1 if e - a == 1 else a  # a lone last row runs beside its predecessor (M = 2)
-        out[s:e] = F.linear(x[s:e], weight)
+        s = min(a, b - BLOCK)  # the last block reaches back to hold BLOCK rows
+        out[s:s + BLOCK] = F.linear(x[s:s + BLOCK], weight)
     return out
+
+
+def each_row(fn, x: torch.Tensor) -> torch.Tensor:
+    """``fn`` (an elementwise op) over each row of x [B, ...] on its own. torch's vectorised CPU
+    loops round sigmoid, silu and softplus otherwise in a loop's tail than in its body (measured:
+    a row of a [40, L] call differs from the same row alone for L = 4 to 128), and a row's place
+    in the flat tensor decides which of its elements fall in the tail; one row a call makes the
+    split the row's own. Exact ops (add, mul, rsqrt) need none of this."""
+    if x.shape[0] == 1:
+        return fn(x[0])[None]
+    return torch.stack([fn(row) for row in x.unbind(0)])
 
 
 def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
@@ -55,7 +67,7 @@ def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
         full = torch.cat([tail.to(x.dtype), x[b, :, None]], dim=1)  # [C, K]
         torch.sum(full.float() * weight, dim=-1, out=y[b])
         tail.copy_(full[:, 1:])
-    return F.silu(y.to(x.dtype))
+    return each_row(F.silu, y.to(x.dtype))
 
 
 def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tandem import kernels
 from tandem.kernels import decode as decode_ops, reference
+from tandem.kernels.decode import each_row
 from tandem.models import checkpoint, fields, moe, quant, rope
 from tandem.models.base import Cost, ModelError, ModelState, View
 
@@ -552,7 +553,7 @@ class HybridModel:
         pos = torch.tensor(positions, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
         if self.rope_scale != 1.0:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         cos, sin = cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
@@ -569,7 +570,8 @@ class HybridModel:
                 h = torch.cat([self._moe(i, h[b:b + 1]) for b in range(h.shape[0])])
             else:
                 gate, up = self._project(p + "mlp.gate_up", h)
-                h = kernels.rows_linear(F.silu(gate) * up, self.w[p + "mlp.down_proj.weight"])
+                h = kernels.rows_linear(each_row(F.silu, gate) * up,
+                                        self.w[p + "mlp.down_proj.weight"])
             x = x + h
         x = _rms_rows(x, self._gain["norm.weight"], eps)
         return kernels.rows_linear(x, self.w["lm_head.weight"]).float()
@@ -598,12 +600,16 @@ class HybridModel:
             q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
         q = reference.l2norm(q) * dk ** -0.5
         k = reference.l2norm(k)
-        beta = torch.sigmoid(b).float()
-        decay = (self._gain[p + "A_log"] * F.softplus(a.float() + w[p + "dt_bias"])).exp()
+        beta = each_row(torch.sigmoid, b).float()
+        neg_a, dt_bias = self._gain[p + "A_log"], w[p + "dt_bias"]
+        decay = each_row(lambda r: (neg_a * F.softplus(r.float() + dt_bias)).exp(), a)
         o = kernels.recurrent_gated_delta_rows(q, k, v, decay, beta,
                                                [s.sections["gdn.S"][slot] for s in states])
-        o = gated_rms_norm(o.to(self.dtype), z.reshape(n, hv, dv), w[p + "norm.weight"],
-                           c.rms_norm_eps)
+        # gated_rms_norm, its silu a row at a time
+        of = o.to(self.dtype).float()
+        of = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(self.dtype)
+        o = (w[p + "norm.weight"] * of * each_row(F.silu, z.reshape(n, hv, dv).float())
+             ).to(self.dtype)
         return kernels.rows_linear(o.reshape(n, -1), w[p + "out_proj.weight"])
 
     def _attention_rows(self, i: int, h: torch.Tensor, states: list[ModelState],
@@ -634,7 +640,7 @@ class HybridModel:
             out[b] = F.scaled_dot_product_attention(
                 q[b, None, :, None], kbuf[None, :, :at + 1], vbuf[None, :, :at + 1],
                 scale=hd ** -0.5, enable_gqa=True)[0, :, 0]
-        out = out.reshape(n, nh * hd) * torch.sigmoid(gate)
+        out = out.reshape(n, nh * hd) * each_row(torch.sigmoid, gate)
         out = kernels.rows_linear(out, w[p + "o_proj.weight"])
         return out + w[p + "o_proj.bias"] if c.attention_bias else out
 
