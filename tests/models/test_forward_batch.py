@@ -96,3 +96,16 @@ def test_a_sequence_decodes_the_same_bits_alone_and_in_any_batch(model):
             assert torch.equal(got.sections[name], want.sections[name]), name
         for name in want.views:
             assert torch.equal(got.views[name].tensor, want.views[name].tensor), name
+
+
+def test_fused_projections_alias_the_checkpoints_bytes_and_copy_none(small):
+    fused = {key: f for key, f in small._fused.items() if f[2] is not None}
+    # a saved checkpoint stores a layer's tensors in name order: in_proj_a/_b/_qkv/_z and
+    # gate_proj/up_proj lie end to end; k/q/v do not (o_proj and q_norm lie between)
+    assert {k.rsplit(".", 1)[1] for k in fused} == {"in_proj", "gate_up"}
+    assert len(fused) == 3 + 4
+    for names, sizes, weight in fused.values():
+        assert weight.data_ptr() == small.w[names[0]].data_ptr()  # no byte copied
+        for part, name in zip(torch.split(weight, sizes), names):
+            assert part.data_ptr() == small.w[name].data_ptr()
+            assert torch.equal(part, small.w[name])
