@@ -8,7 +8,7 @@ Prints, in one run and for each model:
   model's bytes at numpy's rate, in GB/s and tokens/s;
 - decode tokens/s before (the path tandem decoded with until issue 14: the prefill path at one
   token with the conv and recurrent step kernels, a GEMV per projection) and after (the batched
-  step at B = 1: fused projections, matmuls at 3 rows), alternated in rounds, each over the
+  step at B = 1: fused projections, matmuls at 2 rows), alternated in rounds, each over the
   bound;
 - aggregate tokens/s of forward_batch over B = 1, 2, 4 sequences (each its own state), and each
   over B = 1.

@@ -13,14 +13,16 @@ models' shapes):
   M = 2..33 at large N but not at N = 8 or 64, and reads at half F.linear's rate at M = 2;
 - at a FIXED M (2, 3, 4, 6, 8, 16 tried) ``F.linear`` gives a row the same bits at every place
   of the call, whatever the other rows, on every shape tried (K 24 to 3,584, N 8 to 248,320);
-- ``F.linear`` reads the weights at M = 2 and 3 as fast as the GEMV at M = 1 (56-57 GB/s at
-  hidden 1,024 out of cache, 24-27 GB/s on tiny's 248k-row head), at about half that from M = 4
-  (29) and a third at M = 8 (19).
+- ``F.linear`` reads the weights at M = 2 as fast as the GEMV at M = 1 or faster (quiet, 2
+  threads: 30.8 against 31.6 GB/s on a 248k x 1,024 head, 34.4 against 33.6 on tiny's
+  248k x 256, 58 at hidden 1,024 in cache, 1.3-1.4x on tiny's small layers), at M = 3 about
+  10 % slower on a head (28.6, 30.1) and at M = 4 half (15.4, 17.0).
 
-So every call runs at exactly BLOCK = 3 rows: fewer rows are padded (copies of the first, their
-results dropped), more go in blocks of 3, the last block taking earlier rows again (the same
-bits twice). One sequence's decode runs this very path at B = 1, so alone and batched are the
-same bits; a step reads the weights ceil(B / 3) times, each read at the GEMV's rate.
+So every call runs at exactly BLOCK = 2 rows: a lone row is padded (a copy of itself, its result
+dropped), more go in pairs, an odd last row taking its predecessor again (the same bits twice).
+One sequence's decode runs this very path at B = 1, so alone and batched are the same bits; a
+step reads the weights ceil(B / 2) times, each at the GEMV's rate: B = 2 and 4 decode 2x one
+sequence's tokens a second, as 3 rows a call would at B = 4 while costing one sequence 10 %.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 3  # the rows of every decode matmul: M = 3 is the largest read at the GEMV's rate
+BLOCK = 2  # the rows of every decode matmul: the most read at the GEMV's rate
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
