@@ -1,98 +1,182 @@
-"""Single-stream decode against the memory-bandwidth bound, on the embedded `tiny` model.
+"""Single-stream and batched decode against the memory-bandwidth bound, on `tiny` and on a random
+Qwen3.5-0.8B-like checkpoint (24 layers, hidden 1,024, fp32; issue 14, part 4).
 
-Prints, in one run: the head's matvec (vocab x hidden, fp32) in GB/s through numpy over both
-layouts (the bound) and through torch over both (decode reads F.linear over [vocab, hidden]; a
-transposed copy reads faster at hidden 256 but costs a second head, which tandem does not
-hold); then tiny's decode tokens/s with the GDN conv through F.conv1d (old) and through
-causal_conv1d_step (new), alternated in rounds, and each over the model's bytes read at numpy's
-rate (the fraction of the bound a token reaches).
+Prints, in one run and for each model:
 
-    .venv/bin/python scripts/bench_decode.py [--tokens 64] [--rounds 3]
+- the bound: numpy's matvec over every matrix a decode token reads (each GDN/attention/MLP
+  projection and the head, once, in the order a token reads them), timed as one pass: the
+  model's bytes at numpy's rate, in GB/s and tokens/s;
+- decode tokens/s before (the path tandem decoded with until issue 14: the prefill path at one
+  token with the conv and recurrent step kernels, a GEMV per projection) and after (the batched
+  step at B = 1: fused projections, matmuls at 2 rows), alternated in rounds, each over the
+  bound;
+- aggregate tokens/s of forward_batch over B = 1, 2, 4 sequences (each its own state), and each
+  over B = 1.
+
+The 0.8B-like checkpoint is written once (tandem.models.tiny's recipe at those dims, 3.0 GB) to
+``--dir`` and loaded as a real one is, its weights mapped from the file.
+
+    .venv/bin/python scripts/bench_decode.py [--tokens 32] [--rounds 3] [--models tiny,0.8b]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from tandem import kernels
-from tandem.config import load_config
-from tandem.engine import Engine
 from tandem.models import load_model
+from tandem.models.hybrid import HybridModel, rms_norm
+from tandem.models.tiny import TINY_CONFIG, _weights
+
+LIKE_08B = dict(TINY_CONFIG, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=8,
+                num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16)
+LIKE_08B["layer_types"] = LIKE_08B["layer_types"] * 6
 
 
-def _median_s(fn, reps: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(reps):
+def _like_08b(path: Path) -> HybridModel:
+    if not (path / "model.safetensors").is_file():
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(LIKE_08B))
+        tmp = path / "model.safetensors.tmp"
+        save_file(_weights(LIKE_08B), str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / "model.safetensors")
+    return HybridModel.load(path)
+
+
+def _matrices(model: HybridModel) -> list[torch.Tensor]:
+    """Every matrix a decode token reads, once: a fused projection as one."""
+    c, out = model.config, []
+    for i, kind in enumerate(c.layer_types):
+        p = f"layers.{i}."
+        key = p + ("linear_attn.in_proj" if kind == "linear_attention" else "self_attn.kqv")
+        names, _, fused = model._fused[key]
+        out += [fused] if fused is not None else [model.w[n] for n in names]
+        out.append(model.w[p + ("linear_attn.out_proj.weight" if kind == "linear_attention"
+                                else "self_attn.o_proj.weight")])
+        names, _, fused = model._fused[p + "mlp.gate_up"]
+        out += [fused] if fused is not None else [model.w[n] for n in names]
+        out.append(model.w[p + "mlp.down_proj.weight"])
+    out.append(model.w["lm_head.weight"])
+    return out
+
+
+def _bound(mats: list[torch.Tensor], passes: int) -> float:
+    """Seconds of numpy's fastest pass of a matvec over each matrix."""
+    arrays = [m.numpy() for m in mats]
+    xs = [np.random.default_rng(0).standard_normal(a.shape[1], dtype=np.float32) for a in arrays]
+    best = float("inf")
+    for _ in range(passes + 1):
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2]
+        for a, x in zip(arrays, xs):
+            a @ x
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _before(model: HybridModel, state, token: int, pos: int) -> torch.Tensor:
+    """Decode as tandem did before issue 14: the layers' one-token path with the conv and the
+    recurrent step, each projection its own GEMV, the head F.linear at M = 1."""
+    conv = kernels.register("causal_conv1d", kernels.implementation("causal_conv1d_step"))
+    rule = kernels.register("chunk_gated_delta_rule",
+                            kernels.implementation("recurrent_gated_delta_step"))
+    try:
+        x = model._layers(state, torch.tensor([token]), pos, "prefill", None)
+    finally:
+        kernels.register("causal_conv1d", conv)
+        kernels.register("chunk_gated_delta_rule", rule)
+    last = rms_norm(x[-1:], model.w["norm.weight"], model.config.rms_norm_eps)
+    return F.linear(last, model.w["lm_head.weight"]).float()[0]
+
+
+def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: int) -> None:
+    mats = _matrices(model)
+    nbytes = sum(m.numel() * m.element_size() for m in mats)
+    seconds = _bound(mats, passes=5)
+    bound_tok_s, bound_gbs = 1 / seconds, nbytes / seconds / 1e9
+    print(f"{name}: {nbytes / 1e6:.0f} MB of matrices a token ({len(mats)} matrices, head "
+          f"{mats[-1].numel() * mats[-1].element_size() / 1e6:.0f} MB); threads="
+          f"{torch.get_num_threads()}")
+    print(f"  bound: numpy matvec over the same matrices, {bound_gbs:.1f} GB/s = "
+          f"{bound_tok_s:.1f} tok/s")
+    window = prompt_len + (rounds * 2 + 2) * (tokens + 1) + 8
+    prompt = torch.randint(0, model.vocab_size, (prompt_len,),
+                           generator=torch.Generator().manual_seed(1))
+    paths = {"before": lambda s, t, p: _before(model, s, t, p),
+             "after": lambda s, t, p: model.forward(s, torch.tensor([t]), p, decode=True)}
+    with torch.inference_mode():
+        state = model.new_state(window)
+        model.forward(state, prompt, 0)
+        base = {k: t.clone() for k, t in state.sections.items()}
+        runs: dict[str, list[float]] = {label: [] for label in paths}
+        pos = prompt_len
+        for _ in range(rounds):
+            for label, step in paths.items():
+                for k, t in base.items():  # each round decodes on from the same prompt state
+                    state.sections[k].copy_(t)
+                step(state, 100, pos)  # warm
+                t0 = time.perf_counter()
+                for i in range(tokens):
+                    step(state, 101 + i, pos + 1 + i)
+                runs[label].append(tokens / (time.perf_counter() - t0))
+                pos += tokens + 1
+        for label, r in runs.items():
+            best = max(r)
+            print(f"  decode {label:6s}: {' '.join(f'{x:.1f}' for x in r)} tok/s; best {best:.1f}"
+                  f" = {best * nbytes / 1e9:.1f} GB/s, {best / bound_tok_s:.2f} of the bound")
+        print(f"  after over before (best of each): "
+              f"{max(runs['after']) / max(runs['before']):.2f}x")
+
+        rates = {}
+        for b in (1, 2, 4):
+            states = []
+            for _ in range(b):  # copies of the prompt's state
+                s = model.new_state(window)
+                for k, v in state.views.items():
+                    s.views[k].tensor.copy_(v.tensor)
+                states.append(s)
+            best = 0.0
+            for _ in range(rounds):
+                for s in states:
+                    for k, t in base.items():
+                        s.sections[k].copy_(t)
+                model.forward_batch(states, [100] * b, [prompt_len] * b)  # warm
+                t0 = time.perf_counter()
+                for i in range(tokens // 2):
+                    model.forward_batch(states, [101 + i] * b, [prompt_len + 1 + i] * b)
+                best = max(best, b * (tokens // 2) / (time.perf_counter() - t0))
+            rates[b] = best
+        print("  forward_batch aggregate: " + "; ".join(
+            f"B={b} {r:.1f} tok/s ({r / rates[1]:.2f}x)" for b, r in rates.items()))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, default=64, help="decode tokens a round")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens a round")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=30, help="matvecs timed a path")
+    ap.add_argument("--models", default="tiny,0.8b")
     ap.add_argument("--home", default=None)
+    ap.add_argument("--dir", default=os.path.expanduser("~/.cache/tandem-bench/decode-0.8b-like"),
+                    help="where the 0.8B-like checkpoint is written once")
     args = ap.parse_args()
-    home = args.home or tempfile.mkdtemp(prefix="tandem-bench-")
-    model = load_model("tiny", load_config(cli_args={"home": home}).models_dir()).model
-    head = model.w["lm_head.weight"]
-    head_t = head.t().contiguous()  # measured only: the model holds no such copy
-    held = {t.data_ptr(): t for t in model.w.values()}.values()
-    model_bytes = sum(t.numel() * t.element_size() for t in held)
-    head_bytes = head.numel() * head.element_size()
-    print(f"threads={torch.get_num_threads()} head={tuple(head.shape)} "
-          f"model bytes={model_bytes / 1e6:.0f} MB (head {head_bytes / 1e6:.0f} MB)")
-
-    x = torch.randn(1, head.shape[1])
-    w_np, wt_np, x_np = head.numpy(), head_t.numpy(), x.numpy()
-    with torch.inference_mode():
-        paths = {
-            "numpy W @ x, W [vocab, hidden] (bound)": lambda: w_np @ x_np[0],
-            "numpy x @ Wt, Wt [hidden, vocab] (bound)": lambda: x_np @ wt_np,
-            "torch, decode's: F.linear(x, W)": lambda: F.linear(x, head),
-            "torch over a copy: torch.mm(x, Wt)": lambda: torch.mm(x, head_t),
-        }
-        rates = {name: head_bytes / _median_s(fn, args.reps) / 1e9 for name, fn in paths.items()}
-    for name, gbs in rates.items():
-        print(f"  head {name:44s} {gbs:6.1f} GB/s")
-    bound = max(rates["numpy W @ x, W [vocab, hidden] (bound)"],
-                rates["numpy x @ Wt, Wt [hidden, vocab] (bound)"])
-
-    engine = Engine(model, window=4096, prefix_chunk=1024)
-    prompt = torch.randint(0, 248_000, (1024,), generator=torch.Generator().manual_seed(1))
-    new_conv = kernels.implementation("causal_conv1d_step")
-    results: dict[str, list[float]] = {"old": [], "new": []}
-    for _ in range(args.rounds):
-        for label in ("old", "new"):
-            kernels.register("causal_conv1d_step",
-                             kernels.implementation("causal_conv1d") if label == "old"
-                             else new_conv)
-            engine.reset()
-            engine.prefill(prompt.tolist())
-            engine.decode(100)  # warm
-            t0 = time.perf_counter()
-            for i in range(args.tokens):
-                engine.decode(101 + i)
-            results[label].append(args.tokens / (time.perf_counter() - t0))
-    kernels.register("causal_conv1d_step", new_conv)
-    bound_tok_s = bound * 1e9 / model_bytes
-    print(f"decode at 1k context, {args.rounds} rounds of {args.tokens} tokens, alternated; "
-          f"the bound: {model_bytes / 1e6:.0f} MB at {bound:.1f} GB/s = {bound_tok_s:.1f} tok/s")
-    for label, runs in results.items():
-        best = max(runs)
-        print(f"  {label}: {' '.join(f'{r:.1f}' for r in runs)} tok/s; best {best:.1f} "
-              f"= {best * model_bytes / 1e9:.1f} GB/s, {best / bound_tok_s:.2f} of the bound")
-    print(f"  new over old (best of each): {max(results['new']) / max(results['old']):.2f}x")
+    for which in args.models.split(","):
+        if which == "tiny":
+            home = Path(args.home or tempfile.mkdtemp(prefix="tandem-bench-"))
+            _bench("tiny", load_model("tiny", home / "models").model, 1024, args.tokens,
+                   args.rounds)
+        else:
+            _bench("0.8B-like", _like_08b(Path(args.dir)), 256, args.tokens, args.rounds)
 
 
 if __name__ == "__main__":

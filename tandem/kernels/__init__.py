@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from tandem.kernels import reference
+from tandem.kernels import decode, reference
 
 _OPS: dict[str, Callable] = {
     "causal_conv1d": reference.causal_conv1d,
@@ -18,6 +18,9 @@ _OPS: dict[str, Callable] = {
     "recurrent_gated_delta_step": reference.recurrent_gated_delta_step,
     "recurrent_gated_delta_block": reference.recurrent_gated_delta_block,
     "moe_experts": reference.moe_experts,
+    "rows_linear": decode.rows_linear,
+    "causal_conv1d_rows": decode.causal_conv1d_rows,
+    "recurrent_gated_delta_rows": decode.recurrent_gated_delta_rows,
 }
 
 
@@ -55,3 +58,15 @@ def recurrent_gated_delta_block(q, k, v, g, beta, state):
 
 def moe_experts(x, gate_up, down, top_w, top_i):
     return _OPS["moe_experts"](x, gate_up, down, top_w, top_i)
+
+
+def rows_linear(x, weight):
+    return _OPS["rows_linear"](x, weight)
+
+
+def causal_conv1d_rows(x, tails, weight):
+    return _OPS["causal_conv1d_rows"](x, tails, weight)
+
+
+def recurrent_gated_delta_rows(q, k, v, decay, beta, states):
+    return _OPS["recurrent_gated_delta_rows"](q, k, v, decay, beta, states)

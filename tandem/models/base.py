@@ -107,6 +107,14 @@ class Model(Protocol):
         head and return None; the rows and sections are written as with it."""
         ...
 
+    def forward_batch(self, states: list[ModelState], token_ids: list[int],
+                      positions: list[int]) -> torch.Tensor:
+        """One decode step for each of B independent sequences: ``token_ids[b]`` at position
+        ``positions[b]`` of ``states[b]``, its row written and its sections advanced as
+        ``forward(decode=True)`` would. Returns the fp32 logits ``[B, vocab]``; a sequence's
+        row is the same bits as decoding it alone, at any place of any batch."""
+        ...
+
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
                        start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A speculative verify block: write the rows of every position, leave the sections as

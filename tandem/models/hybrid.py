@@ -9,6 +9,7 @@ which the tests hold it to within 1e-5 in fp32.
 
 from __future__ import annotations
 
+import ctypes
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from tandem import kernels
+from tandem.kernels import decode as decode_ops, reference
+from tandem.kernels.decode import each_row
 from tandem.models import checkpoint, fields, moe, quant, rope, rows
 from tandem.models.base import Cost, ModelError, ModelState, View
 
@@ -197,6 +200,8 @@ class HybridModel:
         self.w = self._check_and_cast(weights)
         self.inv_freq, self.rope_scale = rope.inv_freq(config.rope_type, config.rope_scaling,
                                                        config.rope_theta, config.rotary_dim)
+        self._fused = self._fuse_projections()
+        self._gain = self._decode_constants()
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -336,13 +341,13 @@ class HybridModel:
                     workspace_per_context_token_nbytes=per_context)
 
     def manifest(self) -> dict[str, str]:
-        from tandem.kernels import reference
         return {
             "model_type": self.model_type,
             "config": json.dumps(self.config.__dict__, sort_keys=True, default=list),
             "dtype": str(self.dtype),
             "weights": self._weights_digest,
-            "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), moe, reference),
+            "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), moe, reference,
+                                          decode_ops),
         }
 
     # -- forward ---------------------------------------------------------------------------
@@ -360,7 +365,12 @@ class HybridModel:
                 decode: bool = False,
                 on_logits: Callable[[int, torch.Tensor], None] | None = None,
                 logits: bool = True) -> torch.Tensor | None:
-        x = self._layers(state, token_ids, start, "decode" if decode else "prefill", None)
+        if decode:
+            # The batched step at B = 1: a sequence decoded alone gets the bits it gets in a batch.
+            if token_ids.shape[0] != 1:
+                raise ValueError(f"decode forwards one token, not {token_ids.shape[0]}")
+            return self.forward_batch([state], [int(token_ids[0])], [start])[0]
+        x = self._layers(state, token_ids, start, "prefill", None)
         if not logits and on_logits is None:
             return None  # a prefill chunk before the last: the head reads the whole vocab matrix
         eps = self.config.rms_norm_eps
@@ -450,10 +460,7 @@ class HybridModel:
             steps["gdn.conv"].append(full.unfold(1, width, 1)[:, 1:].transpose(0, 1)
                                      .to(tail.dtype))
             tail = tail.clone()
-        if mode == "decode":
-            mixed = kernels.causal_conv1d_step(mixed, tail, conv_w)
-        else:
-            mixed = kernels.causal_conv1d(mixed, tail, conv_w)
+        mixed = kernels.causal_conv1d(mixed, tail, conv_w)
         q, k, v = torch.split(mixed, [c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
         beta = torch.sigmoid(b)
@@ -462,8 +469,6 @@ class HybridModel:
         if mode == "verify":
             o, states = kernels.recurrent_gated_delta_block(q, k, v, g, beta, s)
             steps["gdn.S"].append(states)
-        elif mode == "decode":
-            o = kernels.recurrent_gated_delta_step(q, k, v, g, beta, s)
         else:
             o = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s)
         o = gated_rms_norm(o, z, w[p + "norm.weight"], c.rms_norm_eps)
@@ -510,3 +515,183 @@ class HybridModel:
         out = out[0].transpose(0, 1).reshape(n, nh * hd)
         out = out * torch.sigmoid(gate)
         return F.linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
+
+    # -- decode: one token for each of B sequences ------------------------------------------
+
+    def _fuse_projections(self) -> dict[str, tuple[tuple[str, ...], tuple[int, ...],
+                                                   torch.Tensor | None]]:
+        """The projections decode runs as one matmul each (a GDN's in_proj, attention's k/q/v,
+        an MLP's gate/up), with their weight as one tensor where the parts lie end to end."""
+        c = self.config
+        groups: dict[str, tuple[str, ...]] = {}
+        for i, kind in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            if kind == "linear_attention":
+                a = p + "linear_attn."
+                parts = (("in_proj_ba", "in_proj_qkvz") if c.model_type == "qwen3_next"
+                         else ("in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z"))
+                groups[a + "in_proj"] = tuple(f"{a}{n}.weight" for n in parts)
+            else:
+                a = p + "self_attn."
+                groups[a + "kqv"] = tuple(f"{a}{n}.weight" for n in ("k_proj", "q_proj", "v_proj"))
+            if not c.is_moe_layer(i):
+                groups[p + "mlp.gate_up"] = (p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+        return {key: (names, tuple(self.w[n].shape[0] for n in names),
+                      _adjacent_rows([self.w[n] for n in names]))
+                for key, names in groups.items()}
+
+    def _decode_constants(self) -> dict[str, torch.Tensor]:
+        """What decode would recompute from the weights every token: the norms' 1 + w, a GDN's
+        -exp(A_log) and its conv taps in fp32 (the same values the prefill path computes)."""
+        out = {}
+        for name, t in self.w.items():
+            if name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) \
+                    or name == "norm.weight":
+                out[name] = 1.0 + t.float()
+            elif name.endswith("A_log"):
+                out[name] = -t.float().exp()
+            elif name.endswith("conv1d.weight"):
+                out[name] = t[:, 0, :].float()
+        return out
+
+    def _project(self, key: str, h: torch.Tensor) -> list[torch.Tensor]:
+        names, sizes, fused = self._fused[key]
+        if fused is not None:
+            return list(torch.split(kernels.rows_linear(h, fused), sizes, dim=-1))
+        return [kernels.rows_linear(h, self.w[n]) for n in names]
+
+    def forward_batch(self, states: list[ModelState], token_ids: list[int],
+                      positions: list[int]) -> torch.Tensor:
+        """One decode step for each of B independent sequences: token ``token_ids[b]`` at
+        position ``positions[b]`` of ``states[b]`` (its rows below in place), whose row is
+        written and sections advanced. Returns the fp32 logits ``[B, vocab]``.
+
+        Every projection, MLP and the head is one matmul over the B rows (the weights read once
+        a step, kernels.rows_linear: a row's bits are its own); the conv, the recurrent step
+        and attention run on each sequence's own sections and rows. A sequence's logits are the
+        same bits alone (forward with decode=True is this at B = 1) and at any place of any
+        batch. A MoE block runs each sequence's row alone: its router and grouped experts batch
+        rows by expert, which is not invariant."""
+        c, eps = self.config, self.config.rms_norm_eps
+        x = F.embedding(torch.tensor(token_ids, dtype=torch.long), self.w["embed_tokens.weight"])
+        pos = torch.tensor(positions, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        cos, sin = cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        for i, kind in enumerate(c.layer_types):
+            p = f"layers.{i}."
+            h = _rms_rows(x, self._gain[p + "input_layernorm.weight"], eps)
+            if kind == "linear_attention":
+                h = self._gdn_rows(i, h, states)
+            else:
+                h = self._attention_rows(i, h, states, positions, cos, sin)
+            x = x + h
+            h = _rms_rows(x, self._gain[p + "post_attention_layernorm.weight"], eps)
+            if c.is_moe_layer(i):
+                h = torch.cat([self._moe(i, h[b:b + 1]) for b in range(h.shape[0])])
+            else:
+                gate, up = self._project(p + "mlp.gate_up", h)
+                h = kernels.rows_linear(each_row(F.silu, gate) * up,
+                                        self.w[p + "mlp.down_proj.weight"])
+            x = x + h
+        x = _rms_rows(x, self._gain["norm.weight"], eps)
+        return kernels.rows_linear(x, self.w["lm_head.weight"]).float()
+
+    def _gdn_rows(self, i: int, h: torch.Tensor, states: list[ModelState]) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"layers.{i}.linear_attn."
+        slot = self._slot[i]
+        n = h.shape[0]
+        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        if c.model_type == "qwen3_next":
+            ratio = hv // hk
+            ba, qkvz = self._project(p + "in_proj", h)
+            q, k, v, z = torch.split(qkvz.reshape(n, hk, -1),
+                                     [dk, dk, ratio * dv, ratio * dv], dim=-1)
+            mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+            b, a = torch.split(ba.reshape(n, hk, 2 * ratio), [ratio, ratio], dim=-1)
+            b, a = b.reshape(n, hv), a.reshape(n, hv)
+        else:
+            a, b, mixed, z = self._project(p + "in_proj", h)
+        mixed = kernels.causal_conv1d_rows(
+            mixed, [s.sections["gdn.conv"][slot] for s in states], self._gain[p + "conv1d.weight"])
+        q, k, v = torch.split(mixed.float(), [c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
+        if hv != hk:
+            q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
+        q = reference.l2norm(q) * dk ** -0.5
+        k = reference.l2norm(k)
+        beta = each_row(torch.sigmoid, b).float()
+        neg_a, dt_bias = self._gain[p + "A_log"], w[p + "dt_bias"]
+        decay = each_row(lambda r: (neg_a * F.softplus(r.float() + dt_bias)).exp(), a)
+        o = kernels.recurrent_gated_delta_rows(q, k, v, decay, beta,
+                                               [s.sections["gdn.S"][slot] for s in states])
+        # gated_rms_norm, its silu a row at a time
+        of = o.to(self.dtype).float()
+        of = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(self.dtype)
+        o = (w[p + "norm.weight"] * of * each_row(F.silu, z.reshape(n, hv, dv).float())
+             ).to(self.dtype)
+        return kernels.rows_linear(o.reshape(n, -1), w[p + "out_proj.weight"])
+
+    def _attention_rows(self, i: int, h: torch.Tensor, states: list[ModelState],
+                        positions: list[int], cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        c, w, p = self.config, self.w, f"layers.{i}.self_attn."
+        slot = self._slot[i]
+        n, hd = h.shape[0], c.head_dim
+        nh, nkv = c.num_attention_heads, c.num_key_value_heads
+        k, qg, v = self._project(p + "kqv", h)
+        if c.attention_bias:
+            k, qg, v = (t + w[f"{p}{name}.bias"] for t, name in
+                        ((k, "k_proj"), (qg, "q_proj"), (v, "v_proj")))
+        q, gate = torch.chunk(qg.reshape(n, nh, 2 * hd), 2, dim=-1)
+        gate = gate.reshape(n, nh * hd)
+        q = _rms_rows(q, self._gain[p + "q_norm.weight"], c.rms_norm_eps)
+        k = _rms_rows(k.reshape(n, nkv, hd), self._gain[p + "k_norm.weight"], c.rms_norm_eps)
+        v = v.reshape(n, nkv, hd)
+        rd = c.rotary_dim
+        q = torch.cat([q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]], dim=-1)
+        k = torch.cat([k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]], dim=-1)
+        out = torch.empty(n, nh, hd, dtype=self.dtype)
+        for b, (state, at) in enumerate(zip(states, positions)):
+            kbuf, vbuf = state.views["K"].tensor[slot], state.views["V"].tensor[slot]
+            kbuf[:, at] = k[b]
+            vbuf[:, at] = v[b]
+            # A decode token sees every key of its own sequence: no mask.
+            out[b] = F.scaled_dot_product_attention(
+                q[b, None, :, None], kbuf[None, :, :at + 1], vbuf[None, :, :at + 1],
+                scale=hd ** -0.5, enable_gqa=True)[0, :, 0]
+        out = out.reshape(n, nh * hd) * each_row(torch.sigmoid, gate)
+        out = kernels.rows_linear(out, w[p + "o_proj.weight"])
+        return out + w[p + "o_proj.bias"] if c.attention_bias else out
+
+
+def _rms_rows(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm with its 1 + w computed once (``gain``, fp32), over the last axis of each row."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gain).to(x.dtype)
+
+
+def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One ``[sum of rows, K]`` tensor over the parts' own bytes when they lie end to end in
+    memory, else None (decode then runs a matmul a part). A safetensors file stores a layer's
+    tensors in name order, so in_proj_a, _b, _qkv, _z and gate_proj, up_proj are adjacent in a
+    checkpoint mapped as it is; k/q/v are not (o_proj and q_norm lie between). Nothing is
+    copied, so the model holds no byte more: the result aliases the parts, which stay in
+    ``self.w`` (prefill reads them there) for the model's life and keep that memory alive."""
+    first = parts[0]
+    cols = first.shape[-1]
+    if not all(t.dim() == 2 and t.shape[1] == cols and t.dtype == first.dtype
+               and t.device.type == "cpu" and t.is_contiguous() for t in parts):
+        return None
+    if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
+        return None
+    rows = sum(t.shape[0] for t in parts)
+    nbytes = rows * cols * first.element_size()
+    if nbytes <= first.untyped_storage().nbytes() - first.storage_offset() * first.element_size():
+        return first.as_strided((rows, cols), (cols, 1))  # one storage holds them all
+    buf = (ctypes.c_byte * nbytes).from_address(first.data_ptr())
+    return torch.frombuffer(buf, dtype=first.dtype).view(rows, cols)

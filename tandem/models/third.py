@@ -56,6 +56,12 @@ class ThirdModel:
         h, m, tail = (state.sections[k] for k in ("rnn.h", "mix.m", "tail.x"))
         return self._run(state, token_ids, start, h, m, tail, None, on_logits)[-1]
 
+    def forward_batch(self, states: list[ModelState], token_ids: list[int],
+                      positions: list[int]) -> torch.Tensor:
+        """Each sequence decoded alone, one after the other: the same bits by construction."""
+        return torch.stack([self.forward(s, torch.tensor([t]), p, decode=True)
+                            for s, t, p in zip(states, token_ids, positions)])
+
     def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
                        start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Every position's logits and sections; the sections in ``state`` stay as they were."""
