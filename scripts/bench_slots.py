@@ -4,8 +4,9 @@
                                             [--parallel 4] [--figures a,b,c]
 
 (a) one long prompt, then a new conversation of ``--turns`` turns (each prompt the last plus
-    its answer and a ~300-token message): tokens forwarded over distinct tokens, and the sum
-    of the conversation's first-token times (llama-server's figures on the same weights:
+    its answer and a ~700-token message): the turns' tokens forwarded over the final
+    conversation's tokens (as ../shared/peer/compare.py counts), and the sum of the turns'
+    first-token times (llama-server's figures on the same weights:
     0.93 and 926 ms; tandem with one sequence: 4.34 and 2,842 ms);
 (b) A, B, A, B, A, B with a shared ``--system``-token system prompt: tokens re-read on each
     return;
@@ -90,7 +91,7 @@ class Server:
 
 
 async def figure_a(server: Server, long: int, turns: int) -> dict:
-    first = await server.complete(_words(1, long // 4), 8)  # about ``long`` tokens
+    first = await server.complete(_words(1, long * 10 // 59), 8)  # about ``long`` tokens
     prompt = "Hello, let us plan the trip. " + _words(2, 120)
     forwarded, ttft, distinct = 0, 0.0, 0
     for turn in range(turns):
@@ -99,10 +100,10 @@ async def figure_a(server: Server, long: int, turns: int) -> dict:
         ttft += r["ttft_ms"]
         distinct = r["usage"]["prompt_tokens"]
         prompt += r["text"] + f" Turn {turn}: " + _words(3 + turn, 120)
-    long_tokens = first["usage"]["prompt_tokens"]
-    return {"long_tokens": long_tokens,
-            "forwarded_over_distinct": (forwarded + first["usage"]["tandem"]["cache"]["reread"])
-            / (distinct + long_tokens), "ttft_sum_ms": ttft}
+    # As ../shared/peer/compare.py counts it: the turns' forwarded tokens over the final
+    # conversation's (the long prompt before them is neither).
+    return {"long_tokens": first["usage"]["prompt_tokens"],
+            "forwarded_over_distinct": forwarded / distinct, "ttft_sum_ms": ttft}
 
 
 async def figure_b(server: Server, system: int) -> dict:

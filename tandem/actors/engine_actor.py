@@ -725,7 +725,7 @@ class EngineActor(Actor):
             job.slot, job.placed = r.slot, r.placed
             if self.parallel > 1:
                 log.info("slot_placed", request_id=job.request_id, slot=r.slot, why=r.placed,
-                         start=r.start, source=r.source)
+                         start=r.start, source=r.source, shared=r.shared)
             await self._use_slot(r.slot)
             if r.slot != from_slot:
                 # The park's offer over the rows of the slot the request was placed in.
