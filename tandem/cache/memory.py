@@ -19,6 +19,13 @@ RESIDENT_LEVELS = ("prompt_end", "anchors", "end", "stash")
 PARK_LEVELS = ("park", "pin")
 
 
+def _take_back(held: dict[str, int], level: str, nbytes: int) -> None:
+    """``nbytes`` at ``level`` go back; never more than is held there."""
+    if nbytes > held[level]:
+        raise AssertionError(f"release of {nbytes} bytes at {level} holding {held[level]}")
+    held[level] -= nbytes
+
+
 @dataclass
 class MemoryAccountant:
     budgets: dict[str, int]  # level -> bytes it may hold
@@ -51,9 +58,7 @@ class MemoryAccountant:
         return True
 
     def release(self, level: str, nbytes: int) -> None:
-        if nbytes > self.held[level]:
-            raise AssertionError(f"release of {nbytes} bytes at {level} holding {self.held[level]}")
-        self.held[level] -= nbytes
+        _take_back(self.held, level, nbytes)
 
     def part(self, levels: tuple[str, ...]) -> "MemoryAccountant":
         """An accountant of its own for ``levels``, with their budgets: one owner's."""
@@ -147,9 +152,7 @@ class Share:
         return True
 
     def release(self, level: str, nbytes: int) -> None:
-        if nbytes > self.held[level]:
-            raise AssertionError(f"release of {nbytes} bytes at {level} holding {self.held[level]}")
-        self.held[level] -= nbytes
+        _take_back(self.held, level, nbytes)
         self.shared.release(level, nbytes)
 
     def holding(self) -> dict[str, int]:

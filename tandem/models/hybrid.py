@@ -428,13 +428,16 @@ class HybridModel:
     def _moe(self, i: int, h: torch.Tensor) -> torch.Tensor:
         return moe.sparse_moe(h, self.w, f"layers.{i}.mlp.", self.config)
 
+    def _gdn_dims(self, i: int):
+        """A GDN layer's config, weights, weight prefix, state slot and head sizes."""
+        c = self.config
+        return (c, self.w, f"layers.{i}.linear_attn.", self._slot[i], c.linear_num_key_heads,
+                c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+
     def _gdn(self, i: int, h: torch.Tensor, state: ModelState, mode: str,
              steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
-        c, w, p = self.config, self.w, f"layers.{i}.linear_attn."
-        slot = self._slot[i]
+        c, w, p, slot, hk, hv, dk, dv = self._gdn_dims(i)
         n = h.shape[0]
-        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         if c.model_type == "qwen3_next":
             # Fused projections grouped per key head: [q, k, v, z] and [b, a] for each group.
             ratio = hv // hk
@@ -601,11 +604,8 @@ class HybridModel:
         return kernels.rows_linear(x, self.w["lm_head.weight"]).float()
 
     def _gdn_rows(self, i: int, h: torch.Tensor, states: list[ModelState]) -> torch.Tensor:
-        c, w, p = self.config, self.w, f"layers.{i}.linear_attn."
-        slot = self._slot[i]
+        c, w, p, slot, hk, hv, dk, dv = self._gdn_dims(i)
         n = h.shape[0]
-        hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         if c.model_type == "qwen3_next":
             ratio = hv // hk
             ba, qkvz = self._project(p + "in_proj", h)

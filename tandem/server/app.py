@@ -97,28 +97,20 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
             # Several slots share the resident budget; each counts its own part of it.
             shares = ([Share(resident_memory) for _ in range(e.parallel)] if e.parallel > 1
                       else [resident_memory])
-            held, parked = make_holdings(shares[0], e.prefix_chunk,
-                                         guest_max=c.resident_guest_max,
-                                         end_anchor=c.end_anchor,
-                                         prompt_end_anchor=c.prompt_end_anchor,
-                                         park_memory=park_memory)
-            if c.end_align:
-                # The end records are the resident's, beside the ends they describe.
-                held.records = EndRecords(None, loaded.tokenizer.token_bytes,
-                                          allow_reasoning=c.end_align_reasoning,
-                                          store_backed=store is not None)
-            slots = [held]
-            for share in shares[1:]:
-                side, _unused_park = make_holdings(share, e.prefix_chunk,
-                                                   guest_max=c.resident_guest_max,
-                                                   end_anchor=c.end_anchor,
-                                                   prompt_end_anchor=c.prompt_end_anchor,
-                                                   park_memory=park_memory)
+            slots, parked = [], None
+            for share in shares:
+                held, park = make_holdings(share, e.prefix_chunk,
+                                           guest_max=c.resident_guest_max,
+                                           end_anchor=c.end_anchor,
+                                           prompt_end_anchor=c.prompt_end_anchor,
+                                           park_memory=park_memory)
+                parked = parked or park  # one park for every slot
                 if c.end_align:
-                    side.records = EndRecords(None, loaded.tokenizer.token_bytes,
+                    # The end records are the resident's, beside the ends they describe.
+                    held.records = EndRecords(None, loaded.tokenizer.token_bytes,
                                               allow_reasoning=c.end_align_reasoning,
                                               store_backed=store is not None)
-                slots.append(side)
+                slots.append(held)
             tiers = (ResidentActor("resident", slots=slots, governor=governor_actor),
                      ParkActor("park", holdings=parked, governor=governor_actor))
         engine = EngineActor("engine", make_engine=partial(
