@@ -47,6 +47,7 @@ in tens of milliseconds.
 
 from __future__ import annotations
 
+import codecs
 import json
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
@@ -205,6 +206,11 @@ class EndRecord:
             s.nonws.extend(tail)
             s.offsets.extend(base + x for x in accumulate(map(len, tail)))
             s.data = s.data + b"".join(tail)
+            rendered = _as_rendered(self.rows, token_bytes)
+            if rendered is not None:
+                s.nonws = rendered
+                s.offsets = [0, *accumulate(map(len, rendered))]
+                s.data = b"".join(rendered)
         self._streams = s
         return s
 
@@ -267,6 +273,25 @@ def _nonws_list(ids: Sequence[int], cache: dict[int, bytes], token_bytes: TokenB
                     b = cache[t] = (token_bytes(t) or b"").translate(None, WHITESPACE)
                 out[i] = b
     return out
+
+
+def _as_rendered(ids: Sequence[int], token_bytes: TokenBytes) -> list[bytes] | None:
+    """The rows' non-whitespace bytes as a client received them, when their bytes are not all
+    UTF-8 (None when they are): the detokenizer (tandem.models.tokenizer) puts U+FFFD where a
+    token ended a character it never finished (a random model's byte-fallback tokens, a real
+    one's rarely), so the client's copy carries U+FFFD where the rows hold the raw bytes. Each
+    token's share is what an incremental decoder emits after it, as the stream sent it."""
+    raw = [token_bytes(t) or b"" for t in ids]
+    try:
+        b"".join(raw).decode("utf-8")
+        return None
+    except UnicodeDecodeError:
+        pass
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = [decoder.decode(b).encode("utf-8") for b in raw]
+    if out:
+        out[-1] += decoder.decode(b"", final=True).encode("utf-8")
+    return [b.translate(None, WHITESPACE) for b in out]
 
 
 def _opens_reasoning(served: Sequence[int], think_close_id: int) -> bool:

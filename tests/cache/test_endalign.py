@@ -484,3 +484,44 @@ def test_a_call_made_without_thinking_is_no_think_close(tok):
     gen = enc(tok, '<tool_call>\n{"name": "read", "arguments": {"filePath": "a"}}\n</tool_call>')
     (region,) = EndRecord.after_turn(None, prompt, gen).regions
     assert region.think_close is None and not region.closed_by_call
+
+
+def _a_token_that_ends_mid_character(tok) -> int:
+    """A byte-level token whose bytes are not UTF-8 on their own: they open a character and
+    stop before its end."""
+    for token_id in range(tok.vocab_size):
+        b = tok.token_bytes(token_id)
+        if not b or b[0] < 0xC2:
+            continue
+        try:
+            b.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if e.reason == "unexpected end of data":
+                return token_id
+    raise AssertionError("no such token")
+
+
+def test_a_copy_whose_answer_carries_u_fffd_for_a_broken_character_aligns(tok):
+    """A random model (a real one more rarely) writes a token that opens a character the next
+    token does not finish: the client receives U+FFFD there and sends it back. Its copy still
+    meets the rows (the model's own bytes), so the next turn resumes at the end anchor."""
+    broken = _a_token_that_ends_mid_character(tok)
+    head = tok.encode("The user asks about", allow_special=False)
+    tail = tok.encode(" Paris and the Seine.", allow_special=False)
+    reasoning_ids = head + [broken] + tail
+    gen = reasoning_ids + enc(tok, "\n</think>\n\n") + tok.encode(ANSWER, allow_special=False)
+    prompt1, record = first_turn(tok, gen)
+    reasoning = tok.decode(reasoning_ids)
+    assert "\ufffd" in reasoning  # what the client got
+    copy = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": ANSWER,
+                                        "reasoning_content": reasoning}, FOLLOW])
+    al = align(record, copy, tok.token_bytes)
+    assert al is not None and al.mode == "glue"
+    check_served(tok, al, record, copy)
+    assert tok.decode(copy[al.cut:]).startswith("<|im_end|>\n<|im_start|>user\nAnd of Italy?")
+    # A copy that changed the text next to it still does not align.
+    changed = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": ANSWER,
+                                           "reasoning_content": reasoning.replace("Paris",
+                                                                                  "Lyon")},
+                            FOLLOW])
+    assert align(record, changed, tok.token_bytes) is None
