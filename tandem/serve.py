@@ -20,6 +20,7 @@ from tandem.actors.loop import install_uvloop
 from tandem.config import Config, load_config
 from tandem.logs import configure_logging
 from tandem.models import load_model
+from tandem.torch_thread import torch_thread
 from tandem.models.base import ModelError
 from tandem.server.app import DRAIN_TIMEOUT_S, build_app, drain
 from tandem.server.connections import GuardedRunner
@@ -35,7 +36,10 @@ def serve_main(args: argparse.Namespace) -> int:
     config = load_config(cli_args=args)
     configure_logging(config.log_level)
     try:
-        loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+        # On the torch thread, before anything else opens an OpenMP region: the engine then
+        # runs on the thread whose worker team is the fast one (tandem/torch_thread.py).
+        loaded = torch_thread().submit(load_model, config.server.model, config.models_dir(),
+                                       config.engine.dtype).result()
     except (ModelError, OSError) as e:
         log.error("model_load_failed", model=config.server.model, error=type(e).__name__,
                   reason=str(e))
@@ -53,7 +57,8 @@ async def serve(config: Config, loaded, *, engine: Actor | None = None,
     (tests)."""
     loop = asyncio.get_running_loop()
     stop = stop if stop is not None else asyncio.Event()
-    app = build_app(config, loaded, engine=engine)
+    app = build_app(config, loaded, engine=engine,
+                    engine_executor=torch_thread() if engine is None else None)
     state = app[STATE]
     # Header deadline and connection cap (tandem/server/connections.py).
     runner = GuardedRunner(app, handler_cancellation=True, access_log=None,

@@ -222,6 +222,7 @@ class EngineActor(Actor):
                  speculation: str = "off", draft_max: int = 8, suffix: SuffixActor | None = None,
                  tiers: tuple[ResidentActor, ParkActor] | None = None, parallel: int = 1,
                  governor_actor: Actor | None = None,
+                 executor: ThreadPoolExecutor | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -245,7 +246,9 @@ class EngineActor(Actor):
         ``parallel``: slots, the sequences held in place at once (tandem/cache/slots.py: the
         resident actor places each request in one and lends that slot's holdings; with
         ``tiers`` only). A slot's engine shares the model and is built when first placed;
-        ``governor_actor`` is told the bytes of the rows every slot holds (`TierHeld`)."""
+        ``governor_actor`` is told the bytes of the rows every slot holds (`TierHeld`);
+        ``executor``: the single-worker executor the engine's work runs on, the caller's to
+        keep (tandem.torch_thread: the thread the model was loaded on); None makes one."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._tiers = tiers
         if parallel < 1 or (parallel > 1 and tiers is None):
@@ -303,7 +306,8 @@ class EngineActor(Actor):
         self.engine: Engine | None = None
         # The namespace of the rows in place when no resident prefix keeps it (caches off).
         self._rows_namespace: Namespace = SHARED
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: ThreadPoolExecutor | None = executor
+        self._own_executor = executor is None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: CaptureLockFifo[_Job | _Outside] = CaptureLockFifo()
         self._running: asyncio.Future[Any] | None = None  # the running job's executor future
@@ -338,14 +342,16 @@ class EngineActor(Actor):
 
     async def on_start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
+        if self._own_executor:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
         try:
             self.engine = await self._loop.run_in_executor(self._executor, self._build)
             self.view = await self._loop.run_in_executor(self._executor, self._engine_view)
             if self._tiers is not None:  # the slots' rows are counted with the tiers only
                 self._row_nbytes = self.engine.cost().row_nbytes
         except BaseException:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            if self._own_executor:
+                self._executor.shutdown(wait=False, cancel_futures=True)
             raise
 
     def _build(self) -> Engine:
@@ -474,7 +480,7 @@ class EngineActor(Actor):
         if self._running is not None and not self._running.done():
             # The thread stops at its next token; wait so that no torch work outlives the actor.
             await asyncio.wait([self._running])
-        if self._executor is not None:
+        if self._executor is not None and self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- introspection ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ TestServer; `tandem serve` (tandem/serve.py) with a TCPSite.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from functools import partial
 
@@ -60,11 +61,14 @@ DRAIN_TIMEOUT_S = 600.0  # the longest a shutdown waits for the running generati
 STATS_ASK_TIMEOUT_S = 5.0  # the longest a stats route waits for an actor's answer
 
 
-def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.Application:
+def build_app(config: Config, loaded, *, engine: Actor | None = None,
+              engine_executor: ThreadPoolExecutor | None = None) -> web.Application:
     """The server for ``loaded`` (a tandem.models.LoadedModel: its tokenizer is required).
 
     ``engine``: an actor speaking the engine's messages (tests pass one around a scripted
-    engine); None builds the EngineActor over ``loaded.model`` with the config's engine knobs.
+    engine); None builds the EngineActor over ``loaded.model`` with the config's engine knobs,
+    running on ``engine_executor`` when given (tandem.torch_thread: the thread the model was
+    loaded on), else on a thread of its own.
     """
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
@@ -123,7 +127,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None) -> web.App
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
             end_align_reasoning=config.cache.end_align_reasoning,
             queue_limit=config.server.queue_limit, speculation=spec.speculation,
-            draft_max=spec.draft_max, suffix=suffix)
+            draft_max=spec.draft_max, suffix=suffix, executor=engine_executor)
     supervisor = Supervisor()
     if suffix is not None:
         supervisor.add(suffix)  # before the engine: its drafter reads the suffix store

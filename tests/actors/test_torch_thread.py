@@ -1,0 +1,39 @@
+"""The torch thread (tandem/torch_thread.py): `tandem serve` loads the model on it and hands it
+to the engine actor, so the engine runs on the thread whose OpenMP team is the fast one; the
+engine actor works on the executor it is given and leaves it to its owner when it stops."""
+
+import threading
+
+from scripted_engine import ScriptedEngine
+from tandem.actors.engine_actor import EngineActor
+from tandem.actors.engine_messages import (GenerationFinished, GenerationParams, Generate)
+from tandem.actors.harness import Harness
+from tandem.torch_thread import torch_thread
+
+
+def test_the_torch_thread_is_one_thread_for_the_process():
+    first = torch_thread()
+    assert torch_thread() is first
+    names = {first.submit(lambda: threading.current_thread().name).result() for _ in range(4)}
+    assert len(names) == 1 and names.pop().startswith("tandem-torch")
+
+
+async def test_the_engine_runs_on_the_executor_it_is_given_and_leaves_it_running():
+    threads: list[str] = []
+    engine = ScriptedEngine([5, 6, 7])
+
+    def make():
+        threads.append(threading.current_thread().name)
+        return engine
+
+    harness = Harness()
+    client = harness.probe("client")
+    harness.add(EngineActor("engine", make_engine=make, executor=torch_thread(),
+                            clock=harness.clock))
+    async with harness:
+        await harness.ask("engine", Generate("r1", [1, 2, 3], GenerationParams(max_tokens=2),
+                                             reply_to=client))
+        assert isinstance(await client.expect(GenerationFinished), GenerationFinished)
+    assert threads and threads[0].startswith("tandem-torch")
+    # Stopped, the actor did not shut its owner's executor down.
+    assert torch_thread().submit(lambda: 41 + 1).result() == 42
