@@ -22,6 +22,7 @@ import structlog
 from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor
 from tandem.cache.suffix import PersistentSuffixStore, SuffixStoreError
+from tandem.torch_thread import one_openmp_thread_here
 
 log = structlog.get_logger("tandem.suffix")
 
@@ -53,6 +54,8 @@ class SuffixActor(Actor):
 
     async def on_start(self) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}")
+        # The sort's OpenMP regions on this thread alone (tandem/torch_thread.py).
+        await self._on_worker(one_openmp_thread_here)
         try:
             self.store = await self._on_worker(self._open_store)
         except (SuffixStoreError, OSError) as e:
