@@ -37,3 +37,30 @@ async def test_the_engine_runs_on_the_executor_it_is_given_and_leaves_it_running
     assert threads and threads[0].startswith("tandem-torch")
     # Stopped, the actor did not shut its owner's executor down.
     assert torch_thread().submit(lambda: 41 + 1).result() == 42
+
+
+def test_a_background_thread_keeps_its_openmp_regions_to_itself():
+    import ctypes
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pytest
+    import torch
+
+    from tandem.torch_thread import one_openmp_thread_here
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if not os.path.exists(path):
+        pytest.skip("this torch build has no GNU OpenMP runtime of its own")
+    gomp = ctypes.CDLL(path)
+    before = torch_thread().submit(gomp.omp_get_max_threads).result()
+    other = ThreadPoolExecutor(1)
+
+    def background():
+        assert one_openmp_thread_here()
+        return gomp.omp_get_max_threads()
+
+    assert other.submit(background).result() == 1
+    # The setting is that thread's own: the torch thread's team keeps its size.
+    assert torch_thread().submit(gomp.omp_get_max_threads).result() == before
+    other.shutdown()
