@@ -157,7 +157,6 @@ class EngineView(msgspec.Struct, frozen=True):
     prefix_chunk: int | None = None
     num_threads: int | None = None
     request: RequestView | None = None
-    slot: int = 0  # the slot whose rows these are: the running job's, or the last one's
 
 
 class _Job:
@@ -405,7 +404,7 @@ class EngineActor(Actor):
             if part is not None:
                 part.engine = engine
         self.view = msgspec.structs.replace(self.view, rows_in_place=len(self._rows),
-                                            taint=self._slot_taint[index], slot=index)
+                                            taint=self._slot_taint[index])
 
     def _engine_view(self) -> EngineView:
         """On the engine thread: the engine as it stands, for the loop to publish."""

@@ -112,7 +112,6 @@ class ResidentActor(_Lender):
         assert self.slots and all(h is not None for h in self.slots), "no holdings"
         self.used = [0] * len(self.slots)  # when each slot was last placed (a logical clock)
         self._clock = 0
-        self.lent_slot: int | None = None
         self.placements: dict[str, int] = {}  # how requests were placed, by rule
         super().__init__(name, self.slots[0], governor, **actor_options)
 
@@ -130,7 +129,6 @@ class ResidentActor(_Lender):
                        park_point=msg.park_point, park_session=msg.park_session)
         self.holdings = self.slots[placed.slot]
         holdings = self._lend(msg.request_id)
-        self.lent_slot = placed.slot
         self._clock += 1
         self.used[placed.slot] = self._clock
         self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
@@ -139,10 +137,6 @@ class ResidentActor(_Lender):
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
                                offer.continuing, offer.decisive, holdings.namespace, holdings,
                                slot=placed.slot, placed=placed.why)
-
-    def _take_back(self, msg: GenerationEnded) -> None:
-        super()._take_back(msg)
-        self.lent_slot = None
 
     def _check(self, rows: list[int]) -> None:
         self.holdings.check_invariants(rows)
@@ -167,16 +161,10 @@ class ResidentActor(_Lender):
 
 
 def _aligns(held: ResidentHoldings, prompt: list[int], namespace: Namespace) -> bool:
-    """Whether the client's copy aligns with the end record of this slot's end in place
-    (counted nowhere: the plan aligns again over the placed slot's lent holdings)."""
-    records = held.records
-    end = held.ends.end
-    if records is None or end is None or held.namespace != namespace:
-        return False
-    record = getattr(records, "record", None)
-    if record is None or len(record.rows) != end.length:
-        return False
-    return records.aligns(record, prompt)
+    """Whether the client's copy aligns with this slot's end in place (counted nowhere: the
+    plan aligns again over the placed slot's lent holdings)."""
+    return held.records is not None and held.records.aligns_at_end(
+        held.ends.end, held.namespace, prompt, namespace)
 
 
 class ParkActor(_Lender):

@@ -76,9 +76,7 @@ class EndRecords:
         are read: a caller that stops at the first the store holds aligns no further."""
         resident = self.resident
         candidates = []
-        if resident.end is not None and self.record is not None \
-                and resident.end.length == len(self.record.rows) \
-                and resident.namespace == namespace:
+        if self.end_record(resident.end, resident.namespace, namespace) is not None:
             candidates.append(self.record)
         parked = resident.parked
         if parked is not None and parked.end is not None and self.parked_record is not None \
@@ -108,10 +106,22 @@ class EndRecords:
         self.stored += 1
         return self._count(alignment)
 
-    def aligns(self, record: EndRecord, prompt: list[int]) -> bool:
-        """Whether ``prompt`` aligns with ``record`` (placement asks it of each slot's end;
-        nothing is counted)."""
-        return self._align(record, prompt) is not None
+    def end_record(self, end: object, rows_namespace: Namespace,
+                   namespace: Namespace) -> EndRecord | None:
+        """The record of the end in place (``end``, an End or None, over rows of
+        ``rows_namespace``) for a request of ``namespace``: None when it describes no such end."""
+        record = self.record
+        if end is None or record is None or end.length != len(record.rows) \
+                or rows_namespace != namespace:
+            return None
+        return record
+
+    def aligns_at_end(self, end: object, rows_namespace: Namespace, prompt: list[int],
+                      namespace: Namespace) -> bool:
+        """Whether ``prompt`` aligns with the end in place (placement asks it of each slot's
+        holdings, which are not lent; nothing is counted)."""
+        record = self.end_record(end, rows_namespace, namespace)
+        return record is not None and self._align(record, prompt) is not None
 
     def _align(self, record: EndRecord, prompt: list[int]) -> Alignment | None:
         alignment = align(record, prompt, self.token_bytes, allow_reasoning=self.allow_reasoning)

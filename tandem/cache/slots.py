@@ -34,15 +34,13 @@ Why = Literal["only", "session", "continues", "park", "shares", "empty", "lru"]
 @dataclass(frozen=True)
 class SlotFacts:
     """What placement reads of one slot: its rows' tokens, its holdings, when it was last
-    placed (a logical clock), whether its end record aligns the client's copy, and whether
-    another request holds it now."""
+    placed (a logical clock), and whether its end record aligns the client's copy."""
 
     index: int
     rows: Sequence[int]
     holdings: ResidentHoldings
     used: int = 0
     aligned: bool = False
-    busy: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,35 +59,32 @@ def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
     park's offer resumes the prompt over that slot's rows (0: it does not), ``park_session``
     the parked conversation's session key."""
     prompt = list(prompt)
-    free = [s for s in slots if not s.busy]
-    if not free:
-        raise ValueError("no slot is free")  # the capture lock runs one job at a time
-    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows) for s in free}
+    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows) for s in slots}
     if len(slots) == 1:
-        return Placement(free[0].index, "only", offers[free[0].index])
-    by_index = {s.index: s for s in free}
+        return Placement(slots[0].index, "only", offers[slots[0].index])
+    indices = {s.index for s in slots}
     if session is not None:
-        for s in free:
+        for s in slots:
             if s.holdings.session == session and s.holdings.namespace == namespace and s.rows:
                 return Placement(s.index, "session", offers[s.index])
-        if (park_slot in by_index and park_session == session and park_point > 0):
+        if (park_slot in indices and park_session == session and park_point > 0):
             return Placement(park_slot, "park", offers[park_slot])
-    continuing = [s for s in free if s.rows and _continues(offers[s.index], s)]
+    continuing = [s for s in slots if s.rows and _continues(offers[s.index], s)]
     if continuing:
         best = max(continuing, key=lambda s: (offers[s.index].resume.start, s.used))
         return Placement(best.index, "continues", offers[best.index])
-    if park_slot in by_index and park_point > 0:
+    if park_slot in indices and park_point > 0:
         return Placement(park_slot, "park", offers[park_slot])
-    sharing = [s for s in free if s.rows and offers[s.index].shared >= chunk
+    sharing = [s for s in slots if s.rows and offers[s.index].shared >= chunk
                and 2 * offers[s.index].shared >= len(s.rows)]
     if sharing:
         best = max(sharing, key=lambda s: (offers[s.index].shared, s.used))
         return Placement(best.index, "shares", offers[best.index])
-    empty = [s for s in free if not s.rows and s.holdings.ends.end is None]
+    empty = [s for s in slots if not s.rows and s.holdings.ends.end is None]
     if empty:
         best = min(empty, key=lambda s: (s.used, s.index))
         return Placement(best.index, "empty", offers[best.index])
-    best = min(free, key=lambda s: (s.used, s.index))
+    best = min(slots, key=lambda s: (s.used, s.index))
     return Placement(best.index, "lru", offers[best.index])
 
 
