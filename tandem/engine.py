@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -263,6 +263,63 @@ class LogitsProcessors:
         return counts.index_add_(0, idx, torch.ones(len(idx), device=counts.device))
 
 
+class Chunk:
+    """A prefill between two chunks: a scheduler may run other sequences' steps here."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CHUNK"
+
+
+CHUNK = Chunk()
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A generation asks for ``token_id`` to be forwarded by the recurrent step on ``engine``
+    and is sent the logits of that position (``decode_batch``)."""
+
+    engine: "Engine"
+    token_id: int
+
+
+Step = Chunk | DecodeStep
+
+
+def run_steps(steps: Generator[Step, torch.Tensor | None, "GenerationResult"]):
+    """Drive a generator of steps alone: each decode step forwarded on its own engine."""
+    value = None
+    try:
+        while True:
+            step = steps.send(value)
+            value = (step.engine.decode(step.token_id) if isinstance(step, DecodeStep)
+                     else None)
+    except StopIteration as done:
+        return done.value
+
+
+def decode_batch(steps: Sequence[DecodeStep]) -> list[torch.Tensor]:
+    """Forward the decode steps of several sequences over one model as one batched step
+    (``Model.forward_batch``: the weights read once; a sequence's logits are the bits it gets
+    alone). Each step's logits ``[vocab]``, in order. A step whose engine cannot take its token
+    (its window is full) raises before any row is written."""
+    if len(steps) == 1:
+        return [steps[0].engine.decode(steps[0].token_id)]
+    model = steps[0].engine.model
+    if any(s.engine.model is not model for s in steps):
+        raise ValueError("a batched decode step runs over one model")
+    if len({id(s.engine) for s in steps}) != len(steps):
+        raise ValueError("one sequence twice in a batched decode step")
+    positions = [s.engine._decode_position() for s in steps]
+    with torch.inference_mode():
+        logits = model.forward_batch([s.engine.state for s in steps],
+                                     [int(s.token_id) for s in steps], positions)
+    for s, pos in zip(steps, positions):
+        s.engine._decoded(s.token_id, pos)
+    return list(logits)
+
+
 class Engine:
     def __init__(self, model: Model, *, window: int, prefix_chunk: int = 1024,
                  num_threads: int = 0):
@@ -371,7 +428,16 @@ class Engine:
     def prefill(self, token_ids: Sequence[int],
                 on_chunk: Callable[[int], None] | None = None,
                 scorer: PromptScorer | None = None) -> torch.Tensor:
+        """``prefill_steps`` run to its end: the last position's logits."""
+        return run_steps(self.prefill_steps(token_ids, on_chunk, scorer))
+
+    def prefill_steps(self, token_ids: Sequence[int],
+                      on_chunk: Callable[[int], None] | None = None,
+                      scorer: PromptScorer | None = None
+                      ) -> Generator["Step", torch.Tensor | None, torch.Tensor]:
         """Forward ``token_ids`` past the rows in place, on the grid; the last position's logits.
+        A generator: it yields `CHUNK` between chunks, where a scheduler may run other
+        sequences' steps (tandem.actors.engine_actor) before it goes on.
 
         The rows in place must be a prefix of ``token_ids`` (a cache resumed the engine there);
         at least one token must be new, since the logits come from forwarding it.
@@ -409,20 +475,30 @@ class Engine:
                 self.token_ids.extend(ids[start:end].tolist())
                 if on_chunk is not None:
                     on_chunk(end)
+                if end < len(token_ids):
+                    yield CHUNK
         return logits
 
     def decode(self, token_id: int) -> torch.Tensor:
         """Forward one generated token with the recurrent step; its row is tainted."""
+        pos = self._decode_position()
+        with torch.inference_mode():
+            logits = self.model.forward(self.state, torch.tensor([token_id]), pos, decode=True)
+        self._decoded(token_id, pos)
+        return logits
+
+    def _decode_position(self) -> int:
+        """Before a decode step: the pending commit landed, the row it writes."""
         self.settle()
         pos = self.length
         if pos >= self.window:
             raise ContextOverflow(pos + 1, self.window)
-        with torch.inference_mode():
-            logits = self.model.forward(self.state, torch.tensor([token_id]), pos, decode=True)
+        return pos
+
+    def _decoded(self, token_id: int, pos: int) -> None:
         self.token_ids.append(int(token_id))
         if self.taint is None:
             self.taint = pos
-        return logits
 
     def verify(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Forward a verify block (the last sampled token and the drafts) in one forward; every
@@ -461,7 +537,28 @@ class Engine:
                  on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
                  on_prefill: Callable[[torch.Tensor], None] | None = None,
                  logits: torch.Tensor | None = None) -> GenerationResult:
-        """Prefill the prompt (resuming over the rows in place it shares), then decode.
+        """``generate_steps`` run to its end, every decode step alone."""
+        return run_steps(self.generate_steps(
+            prompt_ids, params, on_token=on_token, should_cancel=should_cancel,
+            on_chunk=on_chunk, force=force, draft=draft, draft_max=draft_max,
+            on_logprobs=on_logprobs, on_prompt_logprobs=on_prompt_logprobs,
+            on_prefill=on_prefill, logits=logits))
+
+    def generate_steps(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 on_token: Callable[[int], bool] | None = None,
+                 should_cancel: Callable[[], bool] | None = None,
+                 on_chunk: Callable[[int], None] | None = None,
+                 force: Callable[[list[int]], int | None] | None = None,
+                 draft: Callable[[list[int], int], list[int]] | None = None,
+                 draft_max: int = 0,
+                 on_logprobs: Callable[[TokenLogprob], None] | None = None,
+                 on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+                 on_prefill: Callable[[torch.Tensor], None] | None = None,
+                 logits: torch.Tensor | None = None) -> Generator["Step", torch.Tensor | None, GenerationResult]:
+        """Prefill the prompt (resuming over the rows in place it shares), then decode. A
+        generator of `Step`s: `CHUNK` between prefill chunks, and a `DecodeStep` for each
+        token to forward, which is sent back its logits (``run_steps`` forwards it alone,
+        the engine actor's scheduler in a batch with other sequences' steps: the same bits).
 
         ``on_token(id)`` sees every generated token and returns True to stop there (a stop
         string); ``should_cancel()`` is polled between tokens; ``on_chunk`` as for prefill;
@@ -516,7 +613,7 @@ class Engine:
         self.resume_at(reuse)
         t0 = time.perf_counter()
         if logits is None:
-            logits = self.prefill(prompt_ids, on_chunk=on_chunk, scorer=scorer)
+            logits = yield from self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer)
             if scorer is not None and on_prompt_logprobs is not None:
                 on_prompt_logprobs(scorer.entries)
             if on_prefill is not None:
@@ -586,7 +683,7 @@ class Engine:
             room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, k)
             drafts = list(draft(context, room))[:room] if draft is not None and room > 0 else []
             if not drafts:
-                logits = self.decode(token)
+                logits = yield DecodeStep(self, token)
                 token = target(logits, out)
                 entry = scored(logits, token)
                 continue
