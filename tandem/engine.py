@@ -461,8 +461,11 @@ class Engine:
             self.taint = n
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         logits = None
-        with torch.inference_mode():
-            for start, end in grid_chunks(n, len(token_ids), self.prefix_chunk):
+        for start, end in grid_chunks(n, len(token_ids), self.prefix_chunk):
+            # Inference mode is a thread's setting: it is entered for each chunk and left
+            # before the yield, so that what the scheduler runs between two chunks (another
+            # sequence's end anchor, its copies) never runs in it.
+            with torch.inference_mode():
                 if scorer is None:
                     # Only the last chunk's logits are read: the others skip the head.
                     logits = self.model.forward(self.state, ids[start:end], start,
@@ -475,8 +478,8 @@ class Engine:
                 self.token_ids.extend(ids[start:end].tolist())
                 if on_chunk is not None:
                     on_chunk(end)
-                if end < len(token_ids):
-                    yield CHUNK
+            if end < len(token_ids):
+                yield CHUNK
         return logits
 
     def decode(self, token_id: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 The engine's own generations and outside holders (the writers that copy staged rows, the
 compaction preparer; a test's `RequestCaptureLock`) queue in arrival order; at most one holds the
-lock. The engine actor owns one instance and maps its messages onto it; nothing here knows
+lock (the engine's generations as one group holder, which those behind it in line may join
+while no outside holder waits ahead of them). The engine actor owns one instance and maps its messages onto it; nothing here knows
 asyncio, a clock or the engine, so a test drives it alone and a new kind of holder plugs in
 without a change to the engine.
 
@@ -49,6 +50,21 @@ class CaptureLockFifo(Generic[T]):
             return None
         self.holder = self._waiting.popleft()
         return self.holder
+
+    def peek(self) -> T | None:
+        """The first in line, left there."""
+        return self._waiting[0] if self._waiting else None
+
+    def join_holder(self, holder: T) -> T:
+        """The first in line leaves the queue to join ``holder``, which holds the lock or takes
+        it now (the engine's generations hold it as one group: requests in different slots
+        run at once). Returns the one that left."""
+        if self.holder is not None and self.holder is not holder:
+            raise CaptureLockMisuse("joined a holder that does not hold the lock")
+        if not self._waiting:
+            raise CaptureLockMisuse("nobody waits to join")
+        self.holder = holder
+        return self._waiting.popleft()
 
     def release(self, item: T) -> None:
         if self.holder is not item:

@@ -25,6 +25,7 @@ import asyncio
 import itertools
 import statistics
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -74,10 +75,10 @@ from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.vocabulary import Source
 from tandem.cache.planner import Planner
-from tandem.cache.resident import (Decided, ParkOffer, ResidentOffer, ResidentPrefix, Resume,
-                                   choose, park_offer, resident_offer)
+from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer,
+                                   ResidentPrefix, Resume, choose, park_offer, resident_offer)
 from tandem.cache.store import StateStore
-from tandem.engine import ContextOverflow, Engine, SamplingParams
+from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.models.base import ModelError
 from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
@@ -177,8 +178,12 @@ class _Job:
         self.slot = 0  # the slot the resident placed it in (tandem/cache/slots.py)
         self.placed = "only"
         self.parked_before: object = None  # the park's conversation before it ran
+        self.park: Any = None  # the park's holdings while this job has them (ParkHoldings)
+        self.plan: PrefillPlan | None = None
+        self.plan_taken = False  # engine thread only: the plan reached the planner
         self.cancel = threading.Event()
         self.generated = 0
+        self.view = RequestView(self.request_id, "prefill", len(self.prompt_ids))
 
 
 @dataclass
@@ -193,13 +198,37 @@ class _Outcome:
     budget: ReasoningBudget | None
 
 
-@dataclass
-class _Halfway:
-    """A planned generation whose tokens are all out, waiting for the store's verdict on its
-    session put (asked on the loop) before the rest runs on the engine thread."""
+@dataclass(frozen=True)
+class _AskStore:
+    """A planned generation whose tokens are all out asks the loop for the store's verdict on
+    its session put, and is sent it before the rest runs on the engine thread."""
 
     put: Any  # tandem.cache.store.SessionPut, or None: nothing to admit
-    complete: Callable[[str | None], _Outcome]
+
+
+class _Ending:
+    """A generation between its last token and its end (the end anchor, the session put):
+    the scheduler runs what follows only while the loop is not making a plan (the cache
+    gate), since both reserve and shed the caches' memory."""
+
+    __slots__ = ()
+
+
+END = _Ending()
+_NEW = object()  # a run not advanced yet: its first advance restores and runs a first chunk
+
+
+class _Run:
+    """One job's generation on the engine thread (the scheduler's): the generator and what it
+    waits for (a Step, END, an _AskStore answered from the loop, or _NEW)."""
+
+    __slots__ = ("job", "steps", "need", "sent")
+
+    def __init__(self, job: "_Job", steps: Any) -> None:
+        self.job = job
+        self.steps = steps
+        self.need: Any = _NEW
+        self.sent: Any = None  # the loop's answer to an _AskStore, once it came
 
 
 class _Outside:
@@ -255,14 +284,25 @@ class EngineActor(Actor):
         self.parallel = parallel
         # Every slot's rows in place, their taint and namespace as the last generation on it
         # left them: what the tiers' offers and the placement are made over (written by the
-        # loop, from the engine thread's hand-off). ``_slot`` is the slot of the job that holds
-        # the capture lock, or of the last one (one job runs at a time).
+        # loop, from the engine thread's hand-off).
         self._slot_rows: list[list[int]] = [[] for _ in range(parallel)]
         self._slot_taint: list[int | None] = [None] * parallel
         self._slot_namespace: list[Namespace] = [SHARED] * parallel
-        self._slot = 0
+        # Each slot's sequence and the caches' parts over it: its engine, its composer (lent
+        # that slot's holdings), its planner and its side of the store, built on the engine
+        # thread when the slot is first placed in.
         self.engines: list[Engine | None] = [None] * parallel
+        self.composers: list[ResidentPrefix | None] = [None] * parallel
+        self.planners: list[Planner | None] = [None] * parallel
+        self.stores: list[StateStore | None] = [None] * parallel
+        # The engine thread's own: the slot whose run it advances now, and that slot's parts
+        # (``engine``, ``resident``, ``planner``, ``store``), which only the thread reads.
+        self._slot = 0
         self._slot_stats: list[dict | None] = [None] * parallel  # each slot's last counters
+        # The pin's and the park's counters as the last composer holding them saw them.
+        self._park_stats: dict = {"pinned": None, "pinned_anchors": [], "pins": 0,
+                                  "pin_hits": 0, "pin_bytes": 0, "parked": None, "parks": 0,
+                                  "park_hits": 0, "park_bytes": 0}
         # The rows each slot has backed, in whole blocks of grid rows (its high water since
         # it was last released), and one row's bytes over every view.
         self._slot_backed: list[int] = [0] * parallel
@@ -271,11 +311,30 @@ class EngineActor(Actor):
         self.governor_actor = governor_actor
         # The slot the parked conversation was parked from (its head is in that slot's rows).
         self._park_slot: int | None = None
-        self._plans: dict[str, PrefillPlan] = {}  # the running job's, until GenerationEnded
-        # The loop's part of the running job (the plan being made, or its session put being
-        # admitted between the thread's two parts).
-        self._preparing: asyncio.Task[None] | None = None
-        self._plan_taken = False  # engine thread only: the running plan reached the planner
+        self._plans: dict[str, PrefillPlan] = {}  # the running jobs', until GenerationEnded
+        self._last_slot = 0  # the slot the last plan placed in
+        # The jobs running (admitted, in a slot), and the one whose plan is made or whose
+        # prefill runs: prefills run one at a time, each's plan made when the one before it
+        # has forwarded its prompt (while the others decode).
+        self._active: dict[str, _Job] = {}
+        self._prefilling: _Job | None = None
+        self._group = object()  # the running generations, as one holder of the capture lock
+        # The loop's tasks (a plan being made, a session put being admitted).
+        self._tasks: set[asyncio.Task[None]] = set()
+        # The cache gate: the loop holds it while it makes a plan, the engine thread while a
+        # generation ends; both reserve and shed the caches' memory.
+        self._cache_gate = threading.Lock()
+        # The scheduler's inbox (the loop's side): jobs to start, answers, calls to run.
+        self._inbox: deque[tuple[str, Any, Any]] = deque()
+        self._inbox_lock = threading.Lock()
+        self._scheduling = False  # a scheduler runs on the engine thread (under the lock)
+        self._scheduler: asyncio.Future[Any] | None = None
+        self._runs: dict[str, _Run] = {}  # engine thread only
+        self._thread_prefilling: str | None = None  # engine thread only: the prefilling run
+        # The decode steps run, by how many sequences each forwarded at once (the thread's
+        # count; the loop's copy, ``decode_batches``, as handed over after each generation).
+        self._thread_batches: dict[int, int] = {}
+        self.decode_batches: dict[int, int] = {}
         self._make_engine = make_engine
         self._make_resident = make_resident
         self.resident: ResidentPrefix | None = None
@@ -308,8 +367,7 @@ class EngineActor(Actor):
         self._executor: ThreadPoolExecutor | None = executor
         self._own_executor = executor is None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lock: CaptureLockFifo[_Job | _Outside] = CaptureLockFifo()
-        self._running: asyncio.Future[Any] | None = None  # the running job's executor future
+        self._lock: CaptureLockFifo[_Job | _Outside | object] = CaptureLockFifo()
         self._jobs: dict[str, _Job] = {}  # every accepted job not yet finished, by request id
         self._grant_ids = itertools.count(1)
         self._draining = False
@@ -356,55 +414,58 @@ class EngineActor(Actor):
     def _build(self) -> Engine:
         """On the engine thread: the engine and the caches that own copies of its state."""
         engine = self._make_engine()
-        self.engines[0] = engine
+        self._build_parts(0, engine)
         if self._make_resident is not None:
-            self.resident = self._make_resident(engine)
-            if self._make_store is not None:
-                self.store = self._make_store(engine)
             if self.end_align and self._tiers is None:
                 self.ends = EndRecords(
                     self.resident, self.tokenizer.token_bytes,
                     allow_reasoning=self.end_align_reasoning,
                     holds=self.store.holds if self.store is not None else None)
-            # With the tiers as actors, the governor's gate on this thread never sheds the
-            # store (an ask): a planned prefill's room was made on the loop.
-            self.planner = Planner(self.resident, self.store, self.governor,
-                                   shed_store=self._tiers is None)
             if self._tiers is None:
                 self._publish_cache_stats()
         elif self.governor is not None:
             self.governor.attach(MemoryAccountant({}), {}, engine.cost())  # workspace only
         return engine
 
-    @property
-    def _rows(self) -> list[int]:
-        """The rows in place of the active slot, as the loop last saw them."""
-        return self._slot_rows[self._slot]
+    def _build_parts(self, index: int, engine: Engine) -> None:
+        """On the engine thread: slot ``index``'s composer, planner and store side over
+        ``engine``, and the thread's pointers at them."""
+        self.engines[index] = engine
+        if self._make_resident is not None:
+            composer = self.composers[index] = self._make_resident(engine)
+            if self._make_store is not None:
+                self.stores[index] = self._make_store(engine)
+            # With the tiers as actors, the governor's gate on this thread never sheds the
+            # store (an ask): a planned prefill's room was made on the loop.
+            self.planners[index] = Planner(composer, self.stores[index], self.governor,
+                                           shed_store=self._tiers is None)
+            if self.governor is not None and self._tiers is not None:
+                # Whatever the governor sheds on this thread comes from the slot whose run
+                # it serves (the slot the thread advances).
+                self.governor.attach(composer.memory, {
+                    level: (lambda need, level=level: self.resident.shed(level, need))
+                    for level in TIER_LEVELS}, engine.cost())
+        self._activate(index)
 
-    @_rows.setter
-    def _rows(self, rows: list[int]) -> None:
-        self._slot_rows[self._slot] = rows
+    def _activate(self, index: int) -> None:
+        """On the engine thread: its pointers at slot ``index``'s parts."""
+        self._slot = index
+        self.engine = self.engines[index]
+        self.resident = self.composers[index]
+        self.planner = self.planners[index]
+        self.store = self.stores[index]
 
     def _build_slot(self, index: int) -> Engine:
         """On the engine thread: a slot's sequence over the same model (its own buffers)."""
         first = self.engines[0]
         engine = Engine(first.model, window=first.window, prefix_chunk=first.prefix_chunk)
-        self.engines[index] = engine
+        self._build_parts(index, engine)
         return engine
 
     async def _use_slot(self, index: int) -> None:
-        """On the loop, while this job holds the capture lock (the engine thread is idle): the
-        composer, the planner and the store's engine side are pointed at slot ``index``."""
+        """On the loop: slot ``index``'s parts exist (built on the engine thread)."""
         if self.engines[index] is None:
-            await self._loop.run_in_executor(self._executor, self._build_slot, index)
-        self._slot = index
-        engine = self.engines[index]
-        self.engine = engine
-        for part in (self.resident, self.planner, self.store):
-            if part is not None:
-                part.engine = engine
-        self.view = msgspec.structs.replace(self.view, rows_in_place=len(self._rows),
-                                            taint=self._slot_taint[index])
+            await self._on_thread(self._build_slot, index)
 
     def _engine_view(self) -> EngineView:
         """On the engine thread: the engine as it stands, for the loop to publish."""
@@ -415,14 +476,18 @@ class EngineActor(Actor):
     def _publish_cache_stats(self) -> None:
         """On the engine thread: the caches' counters, made here and stored by the loop."""
         if self.resident is not None:
-            resident = self.resident.statistics()
-            ends = self._end_records()
-            resident["alignments"] = dict(ends.alignments) if ends is not None else {}
-            resident["replays"] = ends.replays if ends is not None else 0
-            resident["aligned_to_store"] = ends.stored if ends is not None else 0
-            # The store's counters are asked of its actor (/v1/cache/stats), not asked for
-            # from here after every request.
-            self._to_loop(self._set_cache_stats, {"tiers": {"resident": resident}}, self._slot)
+            self._to_loop(self._set_cache_stats, self._statistics(self.resident), self._slot)
+
+    def _statistics(self, composer: ResidentPrefix) -> dict:
+        """A slot's counters (on the thread that holds its composer)."""
+        resident = composer.statistics()
+        ends = composer.holdings.records if self._tiers is not None else self.ends
+        resident["alignments"] = dict(ends.alignments) if ends is not None else {}
+        resident["replays"] = ends.replays if ends is not None else 0
+        resident["aligned_to_store"] = ends.stored if ends is not None else 0
+        # The store's counters are asked of its actor (/v1/cache/stats), not asked for from
+        # here after every request.
+        return {"tiers": {"resident": resident}}
 
     def _end_records(self) -> EndRecords | None:
         """The end records: the resident's (in its holdings, while they are lent), or the
@@ -433,13 +498,19 @@ class EngineActor(Actor):
 
     def _set_cache_stats(self, stats: dict, slot: int = 0) -> None:
         """On the loop: the slot's counters as its last generation left them; the resident's
-        are summed over the slots (the shared park's and pin's are counted once), the rest
-        are the active slot's, and ``slots`` lists each one's."""
-        self._slot_stats[slot] = stats["tiers"]["resident"]
+        are summed over the slots (the shared park's and pin's are counted once: the last
+        that a composer holding them saw), the rest are the last slot's, and ``slots`` lists
+        each one's."""
+        resident = stats["tiers"]["resident"]
+        if PARK_STATS[0] in resident:
+            self._park_stats = {key: resident[key] for key in PARK_STATS}
+        else:
+            resident = stats["tiers"]["resident"] = dict(resident, **self._park_stats)
+        self._slot_stats[slot] = resident
         if self.parallel == 1:
             self.cache_stats = stats
             return
-        merged = dict(stats["tiers"]["resident"])
+        merged = dict(resident)
         seen = [s for s in self._slot_stats if s is not None]
         for key in SLOT_COUNTERS:
             merged[key] = sum(s.get(key, 0) for s in seen)
@@ -472,13 +543,14 @@ class EngineActor(Actor):
             if isinstance(item, _Job):
                 self._fail(item, "stopped", "the engine stopped before the request ran")
         self._lock.clear()
-        if self._preparing is not None and not self._preparing.done():
-            # Its asks fail as the tiers stop; no task of this actor outlives it.
-            self._preparing.cancel()
-            await asyncio.wait([self._preparing])
-        if self._running is not None and not self._running.done():
-            # The thread stops at its next token; wait so that no torch work outlives the actor.
-            await asyncio.wait([self._running])
+        tasks = [t for t in self._tasks if not t.done()]
+        for task in tasks:
+            task.cancel()  # its asks fail as the tiers stop; no task of this actor outlives it
+        if tasks:
+            await asyncio.wait(tasks)
+        if self._scheduler is not None and not self._scheduler.done():
+            # The runs stop at their next token; wait so that no torch work outlives the actor.
+            await asyncio.wait([self._scheduler])
         if self._executor is not None and self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -494,15 +566,22 @@ class EngineActor(Actor):
 
     @property
     def busy(self) -> bool:
-        return isinstance(self._lock.holder, _Job)
+        """Whether any generation runs (holds the capture lock)."""
+        return self._lock.holder is self._group
+
+    @property
+    def running(self) -> int:
+        """The generations running now, each in its slot."""
+        return len(self._active)
 
     def retry_after_estimate(self) -> float:
-        """Seconds a client refused now should wait (queue_full, draining, a slow ask)."""
-        job = self._lock.holder if isinstance(self._lock.holder, _Job) else None
-        elapsed = None
-        if job is not None and job.started_s is not None:
-            elapsed = self.clock.monotonic() - job.started_s
-        return estimate_retry_after(self.waiting, self._durations, elapsed, self.retry_after_s)
+        """Seconds a client refused now should wait (queue_full, draining, a slow ask): the
+        jobs waiting share the slots, and the oldest running one frees one first."""
+        started = [job.started_s for job in self._active.values() if job.started_s is not None]
+        elapsed = self.clock.monotonic() - min(started) if started else None
+        slots = max(self.parallel, 1)
+        return estimate_retry_after(-(-self.waiting // slots), self._durations, elapsed,
+                                    self.retry_after_s)
 
     def snapshot(self) -> dict:
         """The engine for the console (tandem.server.keys.ENGINE's contract): the published
@@ -516,46 +595,45 @@ class EngineActor(Actor):
             "prefix_chunk": view.prefix_chunk,
             "num_threads": view.num_threads,
             "taint": view.taint,
-            "request": None if request is None else {
-                "id": request.id,
-                "phase": request.phase,
-                "prompt_tokens": request.prompt_tokens,
-                "generated": request.generated,
-            },
+            "request": None if request is None else _request_json(request),
+            "requests": [_request_json(job.view) for job in self._active.values()],
             "waiting": self.waiting,
             "draining": self._draining,
             "capture_lock": (None if holder is None else
-                             self.name if isinstance(holder, _Job) else holder.holder),
+                             self.name if holder is self._group else holder.holder),
             "finished_total": self.finished_total,
             "failed_total": self.failed_total,
             "speculation": self.speculation, "draft_max": self.draft_max,
             "drafted_total": self.drafted_total, "accepted_total": self.accepted_total,
+            "decode_batches": dict(sorted(self.decode_batches.items())),
             "slots": self.slot_views(),
         }
 
     def slot_views(self) -> list[dict]:
         """Each slot as the loop last saw it: its rows, taint, anchors and end (its last
         generation's counters), and whether a request holds it now."""
-        holder = self._lock.holder
-        running = holder.slot if isinstance(holder, _Job) and self._plans.get(
-            holder.request_id) is not None else None
+        held = {job.slot: job.request_id for job in self._active.values()
+                if job.plan is not None}
         out = []
         for i in range(self.parallel):
             stats = self._slot_stats[i] or {}
             out.append({"slot": i, "rows_in_place": len(self._slot_rows[i]),
                         "taint": self._slot_taint[i], "anchors": len(stats.get("anchors", [])),
-                        "end": stats.get("end"), "busy": running == i})
+                        "end": stats.get("end"), "busy": i in held, "request": held.get(i)})
         return out
 
     def check_invariants(self) -> None:
         self._lock.check_invariants()
         ids = [item.request_id for item in self._lock.waiting() if isinstance(item, _Job)]
         assert len(ids) == len(set(ids)), "a request waits twice"
-        assert (self._running is not None and not self._running.done()) <= self.busy, \
-            "a generation runs without holding the capture lock"
-        holder = self._lock.holder
-        running = [holder.request_id] if isinstance(holder, _Job) else []
-        assert set(self._jobs) == set(ids) | set(running), "job table out of step with the FIFO"
+        assert bool(self._active) == self.busy, "generations run without the capture lock"
+        assert len(self._active) <= self.parallel, "more generations than slots"
+        assert self._prefilling is None or self._prefilling.request_id in self._active, \
+            "a prefill runs for a job that is not running"
+        slots = [job.slot for job in self._active.values() if job.plan is not None]
+        assert len(slots) == len(set(slots)), "two generations in one slot"
+        assert set(self._jobs) == set(ids) | set(self._active), \
+            "job table out of step with the FIFO"
 
     # -- messages --------------------------------------------------------------------------
 
@@ -598,16 +676,17 @@ class EngineActor(Actor):
         self._jobs[job.request_id] = job
         self._lock.enqueue(job)
         self._pump()
-        return GenerationAccepted(msg.request_id, 0 if self._lock.holder is job else ahead)
+        return GenerationAccepted(msg.request_id, 0 if job.request_id in self._active else ahead)
 
     def _cancel(self, request_id: str) -> None:
         job = self._jobs.get(request_id)
         if job is None:
             return  # finished already, or never known
         job.cancel.set()
-        if job is not self._lock.holder:
+        if request_id not in self._active:
             self._lock.withdraw(job)
             self._fail(job, "cancelled", "cancelled while waiting")
+            self._pump()  # an outside holder behind it may take the lock now
 
     def _drain(self, reply_to: Any) -> DrainStarted:
         first = not self._draining
@@ -619,7 +698,7 @@ class EngineActor(Actor):
                 self._fail(item, "draining", "the server is shutting down",
                            retry_after_s=self.retry_after_estimate())
                 dropped += 1
-        running = 1 if self.busy else 0
+        running = len(self._active)
         if first:
             log.info("engine_draining", running=running, dropped=dropped)
         if reply_to is not None:
@@ -627,70 +706,266 @@ class EngineActor(Actor):
                 self._drain_sinks.append(reply_to)
             else:
                 self._emit(reply_to, EngineDrained())
+        self._pump()
         return DrainStarted(running, dropped)
 
     # -- the capture lock's FIFO -----------------------------------------------------------
 
     def _pump(self) -> None:
-        """Hand the lock to the next in line while it is free."""
-        while (item := self._lock.grant_next()) is not None:
-            if isinstance(item, _Job):
-                self._start(item)
-            else:
+        """Hand the lock to the next in line while it is free; a job behind the running
+        generations joins them while a slot is idle and no other prefill is being planned
+        or run (prefills run one at a time; a slot's decode never waits for a plan). An
+        outside holder waits for every running generation to end, and those behind it wait
+        for it (the FIFO's order)."""
+        if self._fault is not None or self.state == "stopped":
+            return
+        while (item := self._lock.peek()) is not None:
+            if isinstance(item, _Outside):
+                if self._lock.grant_next() is None:
+                    return
                 self._emit(item.reply_to, CaptureLockGranted(item.holder, item.grant_id))
+                continue
+            holder = self._lock.holder
+            if holder is not None and (holder is not self._group or self._prefilling is not None
+                                       or len(self._active) >= self.parallel):
+                return
+            job = self._lock.join_holder(self._group)
+            self._active[job.request_id] = job
+            self._prefilling = job
+            self._start(job)
 
     # -- running a generation --------------------------------------------------------------
 
     def _start(self, job: _Job) -> None:
         assert self._loop is not None and self._executor is not None
         job.started_s = self.clock.monotonic()
-        self.view = msgspec.structs.replace(self.view, request=RequestView(
-            job.request_id, "prefill", len(job.prompt_ids)))
+        self.view = msgspec.structs.replace(self.view, request=job.view)
         queued_ms = (self.clock.monotonic() - job.accepted_s) * 1000.0
         self._emit(job.reply_to, GenerationStarted(job.request_id, len(job.prompt_ids), queued_ms),
                    job)
         if self._tiers is None:
-            self._run_job(job)
+            self._submit("start", job, None)
         else:
-            self._preparing = self._loop.create_task(self._prepare(job))
+            self._task(self._prepare(job))
 
-    def _run_job(self, job: _Job, plan: PrefillPlan | None = None) -> None:
-        self._running = self._loop.run_in_executor(self._executor, self._execute, job, plan)
-        self._running.add_done_callback(lambda fut: self._generated(job, fut))
+    def _task(self, work: Any) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    def _generated(self, job: _Job, fut: asyncio.Future[Any]) -> None:
-        """On the loop, after the thread's generation: a planned one's session put is
-        admitted here (an ask of the store) before the rest runs on the thread."""
-        if fut.cancelled() or fut.exception() is not None \
-                or not isinstance(fut.result(), _Halfway):
-            self._done(job, fut)
+    # -- the scheduler's inbox, on the loop --------------------------------------------------
+
+    def _submit(self, kind: str, job: Any, value: Any) -> None:
+        """Hand the engine thread a job to start, an answer, or a call; the scheduler runs
+        there while it has work, and is started when it does not run."""
+        with self._inbox_lock:
+            self._inbox.append((kind, job, value))
+            if self._scheduling:
+                return
+            self._scheduling = True
+        self._scheduler = self._loop.run_in_executor(self._executor, self._schedule)
+        self._scheduler.add_done_callback(self._scheduler_ended)
+
+    def _scheduler_ended(self, fut: asyncio.Future[Any]) -> None:
+        """On the loop: the scheduler returns only with no work; one that raised is a bug of
+        its own (each run's failure is that run's), which stops the system."""
+        if fut.cancelled():
+            with self._inbox_lock:
+                self._scheduling = False
             return
-        self._preparing = self._loop.create_task(self._complete(job, fut.result()))
+        exc = fut.exception()
+        if exc is not None and self._fault is None:
+            log.error("engine_fault", error=type(exc).__name__,
+                      traceback="".join(traceback.format_tb(exc.__traceback__)))
+            self._fault = exc
+            for job in list(self._active.values()):
+                self._finish(job, exc)
+            try:
+                self.try_tell(EngineFaulted(), sender=self)
+            except (MailboxFull, ActorStopped):
+                pass
 
-    async def _complete(self, job: _Job, halfway: _Halfway) -> None:
-        """The session put's admission, then the rest on the thread. Whatever fails here
-        fails the job (its holdings go back in _done): the capture lock is never left held."""
+    def _on_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        """``fn(*args)`` on the engine thread, between the scheduler's rounds."""
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._submit("call", None, (fn, args, fut))
+        return fut
+
+    def _halfway(self, job: _Job, put: Any) -> None:
+        """On the loop: a planned generation's session put, admitted by the store (an ask),
+        then the verdict back to the thread. Whatever fails here fails the job there."""
+        async def admit() -> None:
+            verdict: Any = None
+            try:
+                if put is not None:
+                    reply = await self._ask_store(StoreAdmit(put.key_ids, "session", put.nbytes,
+                                                             put.namespace))
+                    verdict = reply.verdict if reply is not None else "refused"
+            except Exception as exc:
+                verdict = exc
+            self._submit("answer", job, _NO_PUT if verdict is None else verdict)
+
+        self._task(admit())
+
+    # -- the scheduler, on the engine thread ---------------------------------------------------
+
+    def _schedule(self) -> None:
+        """On the engine thread, while there is work: each round runs one chunk of the prefill
+        (the one job in its prefill: a new one begins there), then every decode step waiting
+        as one batched forward (the weights read once a step), then the ends the cache gate
+        lets through. A decoding slot waits at most one chunk; a slot's tokens and logits are
+        those it gets alone (decode_batch)."""
+        runs = self._runs
+        idle = 0
+        while True:
+            with self._inbox_lock:
+                items = list(self._inbox)
+                self._inbox.clear()
+                if not items and not any(self._ready(run) for run in runs.values()):
+                    self._scheduling = False
+                    return
+            for kind, job, value in items:
+                if kind == "call":
+                    fn, args, fut = value
+                    try:
+                        self._to_loop(_settle, fut, fn(*args), None)
+                    except Exception as exc:
+                        self._to_loop(_settle, fut, None, exc)
+                elif kind == "start":
+                    runs[job.request_id] = _Run(job, self._steps(job, value))
+                    self._thread_prefilling = job.request_id
+                else:  # "answer": the store's verdict on a session put
+                    runs[job.request_id].sent = value
+            if self._round(runs):
+                idle = 0
+            else:
+                # Only ends wait, for the gate the loop holds while it makes a plan
+                # (milliseconds): the thread waits a little, not spinning the CPU.
+                idle += 1
+                time.sleep(min(0.0002 * idle, 0.005))
+
+    def _ready(self, run: _Run) -> bool:
+        """Whether a run can be advanced (an _AskStore waits for the loop's answer)."""
+        return not isinstance(run.need, _AskStore) or run.sent is not None
+
+    def _round(self, runs: dict[str, _Run]) -> bool:
+        """One round; whether anything ran."""
+        ran = False
+        for run in list(runs.values()):
+            if run.need is _NEW or run.need is CHUNK:
+                self._advance(run, None)
+                ran = True
+                break
+        decoding = [run for run in runs.values() if isinstance(run.need, DecodeStep)]
+        if decoding:
+            ran = True
+            self._decode(decoding)
+        for run in [r for r in runs.values() if r.need is END
+                    or (isinstance(r.need, _AskStore) and r.sent is not None)]:
+            if not self._cache_gate.acquire(blocking=False):
+                break
+            try:
+                sent, run.sent = run.sent, None
+                if isinstance(sent, BaseException):
+                    self._advance(run, None, throw=sent)
+                else:
+                    self._advance(run, sent if sent is not _NO_PUT else None)
+            finally:
+                self._cache_gate.release()
+            ran = True
+        return ran
+
+    def _decode(self, decoding: list[_Run]) -> None:
+        """Every waiting decode step as one batched forward, each run sent its logits. A batch
+        that fails runs each step alone, so that only the step at fault fails its run."""
+        size = len(decoding)
+        self._thread_batches[size] = self._thread_batches.get(size, 0) + 1
         try:
-            put = halfway.put
-            verdict = None
-            if put is not None:
-                reply = await self._ask_store(StoreAdmit(put.key_ids, "session", put.nbytes,
-                                                         put.namespace))
-                verdict = reply.verdict if reply is not None else "refused"
-            self._running = self._loop.run_in_executor(self._executor, self._execute_rest,
-                                                       halfway, verdict)
+            logits = decode_batch([run.need for run in decoding])
         except Exception as exc:
-            fut: asyncio.Future[Any] = self._loop.create_future()
-            fut.set_exception(exc)
-            self._done(job, fut)
+            if len(decoding) == 1:
+                self._advance(decoding[0], None, throw=exc)
+                return
+            log.warning("decode_batch_failed", batch=len(decoding), error=type(exc).__name__)
+            for run in decoding:
+                try:
+                    row = decode_batch([run.need])[0]
+                except Exception as alone:
+                    self._advance(run, None, throw=alone)
+                else:
+                    self._advance(run, row)
             return
-        self._running.add_done_callback(lambda fut: self._done(job, fut))
+        for run, row in zip(decoding, logits):
+            self._advance(run, row)
 
-    def _execute_rest(self, halfway: _Halfway, verdict: str | None) -> "_Outcome":
+    def _advance(self, run: _Run, value: Any, throw: BaseException | None = None) -> None:
+        """Run one job's generation to its next step, with the thread's pointers at its slot;
+        what it ends with (a result or an exception) goes to the loop."""
+        job = run.job
+        self._activate(job.slot)
+        if self.planner is not None:
+            self.planner.governed = self._thread_prefilling in (None, job.request_id)
         try:
-            return halfway.complete(verdict)
+            need = run.steps.throw(throw) if throw is not None else run.steps.send(value)
+        except StopIteration as done:
+            self._ended_run(run, done.value, None)
+            return
+        except BaseException as exc:
+            self._ended_run(run, None, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        run.need = need
+        if isinstance(need, _AskStore):
+            self._to_loop(self._halfway, job, need.put)
+        if self._thread_prefilling == job.request_id and need is not CHUNK:
+            self._thread_prefilling = None
+            self._to_loop(self._prefill_over, job)
+
+    def _ended_run(self, run: _Run, outcome: Any, exc: BaseException | None) -> None:
+        job = run.job
+        del self._runs[job.request_id]
+        if self._thread_prefilling == job.request_id:
+            self._thread_prefilling = None
+        self._to_loop(self._set_batches, dict(self._thread_batches))
+        self._to_loop(self._finish, job, exc, outcome)
+
+    def _set_batches(self, batches: dict[int, int]) -> None:
+        self.decode_batches = batches
+
+    def _steps(self, job: _Job, plan: PrefillPlan | None) -> Any:
+        """On the engine thread: the generation, then the rows it left in place and their
+        taint handed to the loop, whether it finished or failed."""
+        job.plan_taken = False
+        try:
+            # With a plan, the composer holds the lent tiers (the loop lent them in _prepare
+            # and gives them back in _done).
+            return (yield from self._generate(job, plan))
+        except BaseException:
+            if plan is not None and not job.plan_taken:
+                self._unplan({"entry": plan.store_entry, "lines": plan.store_lines})
+            raise
         finally:
             self._hand_over_rows()
+
+    # -- the loop's side of a run ------------------------------------------------------------
+
+    def _prefill_over(self, job: _Job) -> None:
+        """On the loop: the job's prompt is forwarded; the next prefill may be planned."""
+        if self._prefilling is job:
+            self._prefilling = None
+            self._pump()
+
+    def _finish(self, job: _Job, exc: BaseException | None, outcome: Any = None) -> None:
+        """On the loop, after every token of the job was delivered (they were posted before)."""
+        if job.request_id not in self._active:
+            return  # failed already (a fault of the scheduler)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(outcome)
+        self._done(job, fut)
 
     # -- the plan, on the loop -------------------------------------------------------------
 
@@ -711,15 +986,20 @@ class EngineActor(Actor):
             fut.set_exception(exc)
             self._done(job, fut)
             return
+        # The cache gate, while the plan is made: an end on the engine thread waits for it.
+        gated = False
         try:
+            gated = await self._enter_gate()
             # The park first, over the rows of the slot it was parked from (its head is
             # there): whether its conversation comes back is part of the placement.
-            from_slot = self._park_slot if self._park_slot is not None else self._slot
+            idle = [i for i in range(self.parallel) if i not in self._busy_slots()]
+            from_slot = (self._park_slot if self._park_slot in idle else
+                         self._last_slot if self._last_slot in idle else idle[0])
             p = await park.ask(OfferTiers(job.request_id, list(job.prompt_ids),
                                           self._slot_rows[from_slot], job.namespace,
                                           rows_namespace=self._slot_namespace[from_slot]),
                                TIER_ASK_S, sender=self)
-            lent["park"] = p.holdings
+            lent["park"] = job.park = p.holdings
             job.parked_before = p.holdings.park.parked
             r = await resident.ask(OfferTiers(
                 job.request_id, list(job.prompt_ids), self._slot_rows[from_slot],
@@ -728,60 +1008,86 @@ class EngineActor(Actor):
                 park_session=p.park_session), TIER_ASK_S, sender=self)
             lent["resident"] = r.holdings
             job.slot, job.placed = r.slot, r.placed
+            self._last_slot = r.slot
             if self.parallel > 1:
                 log.info("slot_placed", request_id=job.request_id, slot=r.slot, why=r.placed,
-                         start=r.start, source=r.source, shared=r.shared)
+                         start=r.start, source=r.source, shared=r.shared,
+                         running=len(self._active))
             await self._use_slot(r.slot)
             if r.slot != from_slot:
                 # The park's offer over the rows of the slot the request was placed in.
-                again = park_offer(p.holdings, job.prompt_ids, job.namespace, self._rows,
-                                   r.rows_namespace)
+                again = park_offer(p.holdings, job.prompt_ids, job.namespace,
+                                   self._slot_rows[r.slot], r.rows_namespace)
                 p = msgspec.structs.replace(p, pin_point=again.pin_point,
                                             park_point=again.park_point)
-            # The composer holds the lent tiers from here (the loop's, then the thread's)
-            # until _done gives them back.
-            self.resident.lend(r.holdings, p.holdings)
+            # The slot's composer holds the lent tiers from here (the loop's, then the
+            # thread's) until _done gives them back (the park's once its restore is done).
+            self.composers[r.slot].lend(r.holdings, p.holdings)
             plan = await self._plan(job, r, p, planned)
         except Exception as exc:
             if not isinstance(exc, MemoryRefused):
                 log.error("plan_failed", request_id=job.request_id, error=type(exc).__name__)
             self._unplan(planned)
-            if lent:
-                if isinstance(exc, MemoryRefused):
-                    self._publish_cache_stats()  # what the governor shed on the way
-                self.resident.give_back()
-            self._give_back(job.request_id, lent, "not_run")
+            if "resident" in lent:
+                composer = self.composers[job.slot]
+                if composer is not None and composer.holds_park:
+                    if isinstance(exc, MemoryRefused):
+                        # What the governor shed on the way.
+                        self._set_cache_stats(self._statistics(composer), job.slot)
+                    composer.give_back()
+            job.park = None
+            self._give_back(job, lent, "not_run")
+            if gated:
+                self._cache_gate.release()
             fut: asyncio.Future[Any] = self._loop.create_future()
             fut.set_exception(exc if isinstance(exc, (ActorStopped, MemoryRefused)) else
                               EngineBroken(f"the plan could not be made ({type(exc).__name__})"))
             self._done(job, fut)
             return
-        self._plans[job.request_id] = plan
+        except BaseException:
+            if gated:
+                self._cache_gate.release()
+            raise
+        self._cache_gate.release()
+        job.plan = self._plans[job.request_id] = plan
         if self._trace is not None:
             self._trace.record(plan, sender=self.name, receiver=f"{self.name}.thread",
                                wall_time_s=self.clock.wall_time(), handler_ms=0.0,
                                correlation_id=None)
-        self._run_job(job, plan)
+        self._submit("start", job, plan)
+
+    def _busy_slots(self) -> set[int]:
+        return {job.slot for job in self._active.values() if job.plan is not None}
+
+    async def _enter_gate(self) -> bool:
+        """On the loop: take the cache gate, which the engine thread holds only while one
+        generation ends (milliseconds); the loop is never blocked waiting for it."""
+        wait = 0.0002
+        while not self._cache_gate.acquire(blocking=False):
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 0.005)
+        return True
 
     async def _plan(self, job: _Job, r: ResidentOffered, p: ParkOffered,
                     planned: dict[str, Any]) -> PrefillPlan:
         prompt = job.prompt_ids
         namespace = job.namespace
+        rows = self._slot_rows[job.slot]
+        composer = self.composers[job.slot]
         scored = job.generation_params.prompt_logprobs is not None
         mine = ResidentOffer(Resume(r.start, r.source, guest=r.guest), r.shared, r.continuing,
                              r.decisive)
         theirs = ParkOffer(p.pin_point, p.park_point)
         # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
-        alignment = (await self._align(job) if self._end_records() is not None and not scored
+        alignment = (await self._align(job) if r.holdings.records is not None and not scored
                      else None)
         served = alignment.served if alignment is not None else prompt
         if served is not prompt:
             # The copy is served as other rows: the same offers, over the same lent holdings,
             # for the rows served.
-            mine = resident_offer(r.holdings, served, namespace, self._rows)
+            mine = resident_offer(r.holdings, served, namespace, rows)
             if not mine.decisive:
-                theirs = park_offer(p.holdings, served, namespace, self._rows,
-                                    r.holdings.namespace)
+                theirs = park_offer(p.holdings, served, namespace, rows, r.holdings.namespace)
         workspace = 0
         if self.governor is not None:
             # Room for the prefill's workspace before anything moves: cheaper caches are shed
@@ -789,13 +1095,12 @@ class EngineActor(Actor):
             # refused (MemoryRefused: a 503). The offers are made again over what is left.
             workspace, changed = await self._admit(job, len(served))
             if changed:
-                mine = resident_offer(r.holdings, served, namespace, self._rows)
+                mine = resident_offer(r.holdings, served, namespace, rows)
                 theirs = (ParkOffer(0, 0) if mine.decisive else
-                          park_offer(p.holdings, served, namespace, self._rows,
-                                     r.holdings.namespace))
+                          park_offer(p.holdings, served, namespace, rows, r.holdings.namespace))
         resume = choose(mine, theirs)
         store_start = 0
-        store = self.store
+        store = self.stores[job.slot]
         if store is not None:
             if not resume.guest:
                 # A guest never takes the store: its restore would write over resident rows
@@ -814,10 +1119,10 @@ class EngineActor(Actor):
                 planned["lines"][line] = reply.verdict if reply is not None else "refused"
         moves = None
         if resume.source != "store":
-            moves = self.resident.moves(list(served), job.generation_params.max_tokens,
-                                        job.session, namespace, resume, mine.shared,
-                                        mine.continuing, self._rows, self.view.taint)
-        return build_plan(job.request_id, served, self.engine.prefix_chunk, mine, theirs,
+            moves = composer.moves(list(served), job.generation_params.max_tokens,
+                                   job.session, namespace, resume, mine.shared,
+                                   mine.continuing, rows, self._slot_taint[job.slot])
+        return build_plan(job.request_id, served, self.view.prefix_chunk, mine, theirs,
                           resume, r.holdings, p.holdings, scored=scored, moves=moves,
                           session_put=store is not None,
                           keep_end=r.holdings.ends.end_anchor and not resume.guest,
@@ -837,12 +1142,12 @@ class EngineActor(Actor):
                 reply = await self._ask_store(StoreShed(need))
                 return reply.freed if reply is not None else 0
             shed_tiers = True
-            return self.resident.shed(level, need)
+            return self.composers[job.slot].shed(level, need)
 
-        levels = set(TIER_LEVELS) | ({"store"} if self.store is not None else set())
+        levels = set(TIER_LEVELS) | ({"store"} if self.stores[job.slot] is not None else set())
         # The rows this request may back beyond its slot's: its prompt and answer.
-        wanted = min(self.engine.window, num_tokens + job.generation_params.max_tokens)
-        grow = max(0, self._blocks(wanted) - self._slot_backed[self._slot]) * self._row_nbytes
+        wanted = min(self.view.window, num_tokens + job.generation_params.max_tokens)
+        grow = max(0, self._blocks(wanted) - self._slot_backed[job.slot]) * self._row_nbytes
         workspace = await self.governor.admit_prefill(num_tokens, shed, levels,
                                                       grow_nbytes=grow)
         return workspace, shed_tiers
@@ -850,7 +1155,7 @@ class EngineActor(Actor):
     async def _align(self, job: _Job) -> Alignment | None:
         """The end alignment, on the loop over the lent holdings: an end in place or parked,
         else a recent turn's whose session snapshot the store says it holds."""
-        ends = self._end_records()
+        ends = self.composers[job.slot].holdings.records
         alignment, recent = ends.align_in_place(job.prompt_ids, job.namespace)
         for candidate, rows in recent:
             reply = await self._ask_store(StoreHolds(list(rows), job.namespace))
@@ -862,15 +1167,16 @@ class EngineActor(Actor):
         """An ask of the store actor from the loop; None when it cannot answer (a shutdown),
         which the plan takes as an empty store, as the engine thread's port does."""
         try:
-            return await self.store.port.actor.ask(msg, TIER_ASK_S, sender=self)
+            return await self.stores[0].port.actor.ask(msg, TIER_ASK_S, sender=self)
         except (ActorStopped, TimeoutError) as e:
             log.warning("store_unreachable", message_type=type(msg).__name__,
                         error=type(e).__name__)
             return None
 
     def _unplan(self, planned: dict[str, Any]) -> None:
-        """A plan that never ran: its store lease and admitted rooms go back (told)."""
-        store = self.store
+        """A plan that never ran: its store lease and admitted rooms go back (told; any slot's
+        side of the store tells the one store)."""
+        store = self.stores[0]
         if store is None:
             return
         if planned["entry"] is not None:
@@ -879,12 +1185,12 @@ class EngineActor(Actor):
             if verdict == "reserved":
                 store.port.cancel(store.snapshot_nbytes(line))
 
-    def _give_back(self, request_id: str, lent: dict[str, Any], outcome: str) -> None:
+    def _give_back(self, job: _Job, lent: dict[str, Any], outcome: str) -> None:
         """What the tiers lent goes back to them (`GenerationEnded`, one to each)."""
         for name, actor in zip(("resident", "park"), self._tiers or ()):
-            if name not in lent:
+            if name not in lent or lent[name] is None:
                 continue
-            msg = GenerationEnded(request_id, outcome, self._rows, lent[name])
+            msg = GenerationEnded(job.request_id, outcome, self._slot_rows[job.slot], lent[name])
             try:
                 actor.try_tell(msg, sender=self)
             except MailboxFull:
@@ -904,21 +1210,6 @@ class EngineActor(Actor):
 
         self._to_loop(tell)
 
-    def _execute(self, job: _Job, plan: PrefillPlan | None = None) -> "_Outcome":
-        """On the engine thread: the generation, then the rows it left in place and their
-        taint handed to the loop, whether it finished or failed."""
-        self._plan_taken = False
-        try:
-            # With a plan, the composer holds the lent tiers (the loop lent them in _prepare
-            # and gives them back in _done).
-            return self._generate(job, plan)
-        except BaseException:
-            if plan is not None and not self._plan_taken:
-                self._unplan({"entry": plan.store_entry, "lines": plan.store_lines})
-            raise
-        finally:
-            self._hand_over_rows()
-
     def _hand_over_rows(self) -> None:
         """On the engine thread: the rows it left in place and their taint, to the loop; the
         pages of the rows above the block holding the last one go back to the OS first (a
@@ -926,7 +1217,7 @@ class EngineActor(Actor):
         engine = self.engine
         rows = list(engine.token_ids) if self._tiers is not None else None
         backed = self._release_unused(engine) if self._tiers is not None else None
-        self._to_loop(self._ended, engine.length, engine.taint, rows, backed)
+        self._to_loop(self._ended, self._slot, engine.length, engine.taint, rows, backed)
 
     def _release_unused(self, engine: Engine) -> int:
         """On the engine thread: the slot's rows backed after releasing those above the
@@ -943,18 +1234,20 @@ class EngineActor(Actor):
         self._thread_backed[slot] = keep
         return keep
 
-    def _ended(self, rows_in_place: int, taint: int | None, rows: list[int] | None,
+    def _ended(self, slot: int, rows_in_place: int, taint: int | None, rows: list[int] | None,
                backed: int | None = None) -> None:
         self.view = msgspec.structs.replace(self.view, rows_in_place=rows_in_place, taint=taint)
-        self._slot_taint[self._slot] = taint
-        if backed is not None and backed != self._slot_backed[self._slot]:
-            self._slot_backed[self._slot] = backed
+        self._slot_taint[slot] = taint
+        if backed is not None and backed != self._slot_backed[slot]:
+            self._slot_backed[slot] = backed
             self._report_slots()
         if rows is not None:
-            self._rows = rows
+            self._slot_rows[slot] = rows
 
-    def _generate(self, job: _Job, plan: PrefillPlan | None = None) -> "_Outcome":
-        """On the engine thread: the whole generation, tokens posted to the loop as they come."""
+    def _generate(self, job: _Job, plan: PrefillPlan | None = None) -> Any:
+        """On the engine thread: the whole generation, tokens posted to the loop as they come.
+        A generator of the engine's steps (the scheduler's), then END and an _AskStore for a
+        planned one; it returns the _Outcome."""
         assert self.engine is not None
         engine, resident = self.engine, self.resident
         params = _sampling(job.generation_params)  # a bad value fails this request only
@@ -1007,9 +1300,10 @@ class EngineActor(Actor):
                 engine.reset()  # another namespace's rows: the engine must not extend them
             self._rows_namespace = job.namespace
             try:
-                result = engine.generate(job.prompt_ids, params, on_token=on_token,
-                                         should_cancel=job.cancel.is_set, force=force,
-                                         **speculate, **scoring)
+                result = yield from _engine_steps(engine, job.prompt_ids, params,
+                                                  on_token=on_token,
+                                                  should_cancel=job.cancel.is_set, force=force,
+                                                  **speculate, **scoring)
             except BaseException:
                 # No copy exists to cut back to: the rows the request wrote (a forward may have
                 # stopped half way) must not be resumed over by the next prompt sharing them.
@@ -1044,8 +1338,8 @@ class EngineActor(Actor):
                 if end in lines and end in resident.anchors:
                     self._anchor_written(job, end)
         # From here the planner answers for the plan's store lease and rooms (it gives them
-        # back, on a failure too); a failure before leaves them to _execute.
-        self._plan_taken = True
+        # back, on a failure too); a failure before leaves them to _steps.
+        job.plan_taken = True
         try:
             resume = planner.begin(served, params.max_tokens, job.session, job.namespace,
                                    plan=plan)
@@ -1057,17 +1351,26 @@ class EngineActor(Actor):
         except BaseException:
             self._abort(planner, ends)  # a restore may have stopped half way
             raise
+        try:
+            if ends is not None:
+                # The park moves only in the restore: its record follows it now, before the
+                # park goes back.
+                ends.follow_park(parked_before, resume.source == "park")
+            if plan is not None:
+                self._return_park(job)
+        except BaseException:
+            self._abort(planner, ends)
+            raise
         self._post(job, PrefillAdmitted(job.request_id))
         try:
-            result = engine.generate(served, params, on_token=on_token,
-                                     should_cancel=job.cancel.is_set,
-                                     on_chunk=on_chunk, force=force,
-                                     on_prefill=planner.on_prefill, logits=resume.logits,
-                                     **speculate, **scoring)
-            if ends is not None:
-                ends.follow_park(parked_before, resume.source == "park")
+            result = yield from _engine_steps(engine, served, params, on_token=on_token,
+                                              should_cancel=job.cancel.is_set,
+                                              on_chunk=on_chunk, force=force,
+                                              on_prefill=planner.on_prefill,
+                                              logits=resume.logits, **speculate, **scoring)
             committed = served + result.token_ids
             if plan is not None:
+                yield END  # the end reserves and sheds: it waits while the loop makes a plan
                 put = planner.ended(committed, job.session, job.namespace)
             else:
                 planner.finish(committed, job.session, job.namespace)
@@ -1090,7 +1393,7 @@ class EngineActor(Actor):
             try:
                 if plan is not None:
                     planner.settle(put, verdict or "refused", committed)
-                planner.check_invariants()
+                planner.check_invariants(alone=len(self._runs) == 1)
                 if ends is not None and not resume.guest:
                     ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
             except BaseException:
@@ -1101,7 +1404,28 @@ class EngineActor(Actor):
 
         if plan is None:
             return complete(None)
-        return _Halfway(put, complete)
+        verdict = yield _AskStore(put)
+        return complete(verdict)
+
+    def _return_park(self, job: _Job) -> None:
+        """On the engine thread, once the restore is done: the pin and the park go back to
+        their actor (through the loop), so that the next request's plan may borrow them while
+        this one runs; their counters as they are now go with them."""
+        self._publish_cache_stats()
+        park = self.resident.give_back_park()
+        self._to_loop(self._park_returned, job, park)
+
+    def _park_returned(self, job: _Job, park: Any) -> None:
+        """On the loop: the park back from a job's restore (before its first token)."""
+        if job.park is not park:
+            return
+        job.park = None
+        parked = park.park.parked
+        if parked is not None and parked is not job.parked_before:
+            self._park_slot = job.slot  # the conversation that left this slot
+        elif parked is None:
+            self._park_slot = None
+        self._give_back(job, {"park": park}, "restored")
 
     def _abort(self, planner: Planner, ends: EndRecords | None) -> None:
         """On the engine thread, after a failure: the rows in place are not trusted past the
@@ -1122,31 +1446,39 @@ class EngineActor(Actor):
 
     def _arrived(self, job: _Job, msg: Message) -> None:
         """On the loop: an event of the running job, counted in the view, then delivered."""
-        request = self.view.request
-        if isinstance(msg, TokenGenerated) and request is not None and request.id == job.request_id:
-            self.view = msgspec.structs.replace(self.view, request=msgspec.structs.replace(
-                request, phase="decode", generated=msg.index + 1))
+        if isinstance(msg, TokenGenerated):
+            job.view = msgspec.structs.replace(job.view, phase="decode",
+                                               generated=msg.index + 1)
+            request = self.view.request
+            if request is not None and request.id == job.request_id:
+                self.view = msgspec.structs.replace(self.view, request=job.view)
         self._emit(job.reply_to, msg, job)
 
     def _done(self, job: _Job, fut: asyncio.Future[Any]) -> None:
-        """On the loop, after every token of the job was delivered (the executor sets its
-        future through call_soon_threadsafe too, so it comes after them)."""
-        self._running = None
+        """On the loop, after every token of the job was delivered (the engine thread posts
+        its end through call_soon_threadsafe too, so it comes after them)."""
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
             self._slot_namespace[job.slot] = plan.resident.namespace
-            parked = plan.park.park.parked
-            if parked is not None and parked is not job.parked_before:
-                self._park_slot = job.slot  # the conversation that left this slot
-            elif parked is None:
-                self._park_slot = None
-            self.resident.give_back()
-            self._give_back(job.request_id, {"resident": plan.resident, "park": plan.park},
-                            "finished" if not fut.cancelled() and fut.exception() is None
-                            else "failed")
-        self._lock.release(job)
+            outcome = ("finished" if not fut.cancelled() and fut.exception() is None
+                       else "failed")
+            if job.park is not None:
+                # It never got as far as giving the park back (a failure in the restore).
+                self.composers[job.slot].give_back_park()
+                self._park_returned(job, job.park)
+            self.composers[job.slot].give_back()
+            self._give_back(job, {"resident": plan.resident}, outcome)
+        self._active.pop(job.request_id, None)
+        if self._prefilling is job:
+            self._prefilling = None
+        if not self._active and self._lock.holder is self._group:
+            self._lock.release(self._group)
         self._jobs.pop(job.request_id, None)
-        self.view = msgspec.structs.replace(self.view, request=None)
+        request = self.view.request
+        if request is not None and request.id == job.request_id:
+            later = [j for j in self._active.values()]
+            self.view = msgspec.structs.replace(
+                self.view, request=later[-1].view if later else None)
         if job.started_s is not None and not fut.cancelled() and fut.exception() is None:
             self._durations.append(self.clock.monotonic() - job.started_s)
         if fut.cancelled():
@@ -1204,8 +1536,7 @@ class EngineActor(Actor):
             self.drafted_total += result.drafted
             self.accepted_total += result.accepted
             self._report_to_suffix(job, outcome)
-        if self._fault is None and self.state != "stopped":
-            self._pump()
+        self._pump()
         if self._draining and not self.busy:
             sinks, self._drain_sinks = self._drain_sinks, []
             for sink in sinks:
@@ -1249,6 +1580,23 @@ class EngineActor(Actor):
                 job.cancel.set()
 
 
+_NO_PUT = object()  # the loop's answer to an _AskStore with nothing to admit
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _request_json(view: RequestView) -> dict:
+    return {"id": view.id, "phase": view.phase, "prompt_tokens": view.prompt_tokens,
+            "generated": view.generated}
+
+
 def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: ResidentOffer,
                theirs: ParkOffer, resume: Resume, resident: Any, park: Any, *,
                scored: bool = False, served_ids: list[int] | None = None,
@@ -1272,6 +1620,16 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                        served=served_ids, alignment=alignment, store_offer=store_offer,
                        store_entry=store_entry, store_lines=store_lines or {},
                        workspace_nbytes=workspace_nbytes, resident=resident, park=park)
+
+
+def _engine_steps(engine: Any, prompt: Sequence[int], params: SamplingParams, **options: Any
+                  ) -> Any:
+    """The engine's generation as steps (tandem.engine.Engine.generate_steps); an engine that
+    only generates whole (a test's scripted one) runs in one step."""
+    steps = getattr(engine, "generate_steps", None)
+    if steps is None:
+        return engine.generate(prompt, params, **options)
+    return (yield from steps(prompt, params, **options))
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

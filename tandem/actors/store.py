@@ -128,7 +128,10 @@ class StoreStatsReport(Message):
 
 
 class CheckStoreInvariants(Message):
-    """Sender: the engine thread, after a generation (the planner's invariant check)."""
+    """Sender: the engine thread, after a generation (the planner's invariant check);
+    ``alone``: no other generation runs (no room may be left reserved)."""
+
+    alone: bool = True
 
 
 class StoreActor(Actor):
@@ -188,8 +191,8 @@ class StoreActor(Actor):
                 return StoreShedDone(core.shed(msg.nbytes))
             case GetStoreStats():
                 return StoreStatsReport(core.statistics())
-            case CheckStoreInvariants():
-                core.check_invariants()
+            case CheckStoreInvariants(alone=alone):
+                core.check_invariants(alone)
             case _:
                 raise TypeError(f"{self.name} does not handle {type(msg).__name__}")
         return None
@@ -277,5 +280,5 @@ class StoreActorPort:
         reply = self._ask(GetStoreStats())
         return reply.stats if reply is not None else {}
 
-    def check_invariants(self) -> None:
-        self._tell(CheckStoreInvariants())
+    def check_invariants(self, alone: bool = True) -> None:
+        self._tell(CheckStoreInvariants(alone))

@@ -7,7 +7,8 @@ computed over its own copies, and lends the holdings for that generation; `Gener
 gives them back. A tier never touches its holdings while they are lent: the engine thread
 writes into them, and only one side holds them at a time.
 
-Invariants: lent to at most one request; what comes back is what was lent; the holdings'
+Invariants: lent to at most one request (the resident: each slot to at most one, so requests
+in different slots hold their slots' holdings at once); what comes back is what was lent; the holdings'
 own invariants hold whenever they are here (checked on their return).
 """
 
@@ -113,6 +114,7 @@ class ResidentActor(_Lender):
         self.used = [0] * len(self.slots)  # when each slot was last placed (a logical clock)
         self._clock = 0
         self.placements: dict[str, int] = {}  # how requests were placed, by rule
+        self.lent: dict[int, str] = {}  # the slots lent now, to which request
         super().__init__(name, self.slots[0], governor, **actor_options)
 
     def _offer(self, msg: OfferTiers) -> ResidentOffered:
@@ -121,14 +123,21 @@ class ResidentActor(_Lender):
         if len(rows_of) != len(self.slots):
             raise TierLendingError(f"{self.name}: {len(rows_of)} slots' rows for "
                                    f"{len(self.slots)} slots")
+        # A slot lent to a running request is not placed in (issue 14: requests in different
+        # slots run at once; the engine admits one only while a slot is idle).
         facts = [SlotFacts(i, rows_of[i], held, self.used[i],
                            aligned=_aligns(held, msg.prompt_ids, namespace))
-                 for i, held in enumerate(self.slots)]
+                 for i, held in enumerate(self.slots) if i not in self.lent]
+        if not facts:
+            raise TierLendingError(f"{self.name}: every slot is lent")
         placed = place(msg.prompt_ids, msg.session, namespace, facts,
                        self.slots[0].anchors.chunk, park_slot=msg.park_slot,
                        park_point=msg.park_point, park_session=msg.park_session)
         self.holdings = self.slots[placed.slot]
-        holdings = self._lend(msg.request_id)
+        self.lent[placed.slot] = msg.request_id
+        self.lent_to = msg.request_id
+        self.lent_total += 1
+        holdings = self.holdings
         self._clock += 1
         self.used[placed.slot] = self._clock
         self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
@@ -138,6 +147,17 @@ class ResidentActor(_Lender):
                                offer.continuing, offer.decisive, holdings.namespace, holdings,
                                slot=placed.slot, placed=placed.why)
 
+    def _take_back(self, msg: GenerationEnded) -> None:
+        slot = next((i for i, held in enumerate(self.slots) if held is msg.holdings), None)
+        if slot is None or self.lent.get(slot) != msg.request_id:
+            raise TierLendingError(f"{self.name}: {msg.request_id} gave back what it was not lent")
+        del self.lent[slot]
+        self.lent_to = next(reversed(self.lent.values()), None)
+        self.holdings = self.slots[slot]
+        self._check(msg.rows)
+        self._stats = self._statistics()
+        self._report_held()
+
     def _check(self, rows: list[int]) -> None:
         self.holdings.check_invariants(rows)
         shares = [held.anchors.memory for held in self.slots]
@@ -146,7 +166,7 @@ class ResidentActor(_Lender):
 
     def _statistics(self) -> dict:
         per_slot = [dict(resident_statistics(held), slot=i, session=held.session is not None,
-                         used=self.used[i])
+                         used=self.used[i], lent=i in self.lent)
                     for i, held in enumerate(self.slots)]
         total = dict(per_slot[0])
         total["anchors"] = sorted({line for s in per_slot for line in s["anchors"]})
@@ -154,7 +174,7 @@ class ResidentActor(_Lender):
             total[key] = sum(s[key] for s in per_slot)
         total["held_bytes"] = {level: sum(s["held_bytes"][level] for s in per_slot)
                                for level in total["held_bytes"]}
-        total.pop("slot"), total.pop("session"), total.pop("used")
+        total.pop("slot"), total.pop("session"), total.pop("used"), total.pop("lent")
         total["slots"] = per_slot
         total["placements"] = dict(self.placements)
         return total

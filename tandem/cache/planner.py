@@ -45,6 +45,9 @@ class Planner:
         self.store = store
         self.governor = governor
         self._prompt_len = 0
+        # False while another sequence's prefill is the governor's running one (the engine
+        # actor's slots): this one's end leaves the governor's prefill and reserve alone.
+        self.governed = True
         if governor is not None:
             shedders = {level: partial(resident.shed, level)
                         for level in ("prompt_end", "anchors", "end", "stash", "park", "pin")}
@@ -128,7 +131,7 @@ class Planner:
             if committed_ids is not None:
                 self.store.put_session(committed_ids, session, namespace)
         self.resident.finish(committed_ids)
-        if self.governor is not None:
+        if self.governor is not None and self.governed:
             self.governor.after_prefill()
             self.governor.after_request()
 
@@ -149,7 +152,7 @@ class Planner:
         if put is not None:
             self.store.put_admitted(put, verdict)
         self.resident.finish(committed_ids)
-        if self.governor is not None:
+        if self.governor is not None and self.governed:
             self.governor.after_prefill()
             self.governor.after_request()
 
@@ -157,11 +160,13 @@ class Planner:
         if self.store is not None:
             self.store.end_prefill()
         self.resident.abort()
-        if self.governor is not None:
+        if self.governor is not None and self.governed:
             self.governor.after_prefill()
             self.governor.after_request()
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, alone: bool = True) -> None:
+        """``alone``: no other sequence's generation runs beside this one (the store's rooms
+        are all filled or given back)."""
         self.resident.check_invariants()
         if self.store is not None:
-            self.store.check_invariants()
+            self.store.check_invariants(alone)

@@ -33,7 +33,7 @@ import torch
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.keep import End, Parked, Pinned, make_park, pin_lines, plan_park, take_pin
-from tandem.cache.memory import Accounts, MemoryAccountant
+from tandem.cache.memory import PARK_LEVELS, Accounts, MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.holdings import (Decided, Moves, ParkHoldings, ParkOffer, ResidentHoldings,
                                    ResidentOffer, Resume, _Hits, choose, make_holdings,
@@ -76,6 +76,11 @@ class SequenceEngine(Protocol):
                   taint: object = ...) -> None: ...
 
     def trim_pending(self, n: int) -> bool: ...
+
+
+# The keys of ``statistics`` that are the pin's and the park's.
+PARK_STATS = ("pinned", "pinned_anchors", "pins", "pin_hits", "pin_bytes", "parked", "parks",
+              "park_hits", "park_bytes")
 
 
 @dataclass
@@ -145,6 +150,21 @@ class ResidentPrefix:
         self._tiers = self._park_tiers = None
         self._decided = None  # made over the holdings leaving
         return lent
+
+    def give_back_park(self) -> ParkHoldings:
+        """The pin and the park go back before the generation ends (the engine actor's, once
+        the prompt's restore is done: nothing after it touches them, and the next request's
+        plan borrows them while this one decodes)."""
+        lent, self._park_tiers = self._park_tiers, None
+        if lent is None:
+            raise TiersLent("the pin and the park were not lent")
+        if self._lent_form:
+            self.memory = self._tiers.anchors.memory  # the park's accountant is its own again
+        return lent
+
+    @property
+    def holds_park(self) -> bool:
+        return self._park_tiers is not None
 
     @property
     def holdings(self) -> ResidentHoldings:
@@ -237,9 +257,11 @@ class ResidentPrefix:
         a, e, g, h = self.anchor_tier, self.ends, self.stash_tier, self._hits
         return ResidentStats(
             anchors_taken=a.taken, anchor_evictions=a.evictions, hits=h.hits, cold=h.cold,
-            guests=g.guests, guest_refused=g.refused, pins=self.pin_tier.pins,
-            pin_hits=self.pin_tier.hits, parks=self.park_tier.parks,
-            park_hits=self.park_tier.hits, ends=e.kept, end_hits=h.end_hits,
+            guests=g.guests, guest_refused=g.refused,
+            **({} if self._park_tiers is None else dict(
+                pins=self.pin_tier.pins, pin_hits=self.pin_tier.hits,
+                parks=self.park_tier.parks, park_hits=self.park_tier.hits)),
+            ends=e.kept, end_hits=h.end_hits,
             end_absorbed=e.absorbed, prompt_ends=e.prompt_kept,
             prompt_end_hits=h.prompt_end_hits)
 
@@ -392,6 +414,8 @@ class ResidentPrefix:
         """The memory governor's call, on the engine thread between chunks or before a
         prefill: give back copies at ``level`` until ``need_nbytes`` are freed; the bytes
         freed. Anchors go cheapest loss first; the end, stash, park and pin go whole."""
+        if level in PARK_LEVELS and self._park_tiers is None:
+            return 0  # the park actor has them back; nobody sheds them here
         before = self.memory.held[level]
         if level == "anchors":
             self.anchor_tier.shed(need_nbytes)
@@ -673,9 +697,11 @@ class ResidentPrefix:
     # -- reporting -------------------------------------------------------------------------
 
     def statistics(self) -> dict:
+        """The counters; the pin's and the park's only while they are lent here (PARK_STATS
+        names them: the engine actor keeps the last it saw)."""
         s = self.stats
         held = self.memory.held
-        return {
+        out = {
             "rows_in_place": self.engine.length,
             "anchors": sorted(self.anchors), "anchor_bytes": held["anchors"],
             "anchors_taken": s.anchors_taken, "evictions": s.anchor_evictions,
@@ -687,6 +713,10 @@ class ResidentPrefix:
             "prompt_end_bytes": held["prompt_end"],
             "taint": self.engine.taint,
             "guests": s.guests, "guest_refused": s.guest_refused, "stash_bytes": held["stash"],
+        }
+        if self._park_tiers is None:
+            return out
+        out.update({
             "pinned": len(self.pinned.token_ids) if self.pinned else None,
             "pinned_anchors": sorted(self.pinned.anchors) if self.pinned else [],
             "pins": s.pins, "pin_hits": s.pin_hits, "pin_bytes": held["pin"],
@@ -694,9 +724,11 @@ class ResidentPrefix:
                         "end": self.parked.end.length if self.parked.end else None}
                        if self.parked else None),
             "parks": s.parks, "park_hits": s.park_hits, "park_bytes": held["park"],
-        }
+        })
+        return out
 
     def check_invariants(self) -> None:
         self.holdings.check_invariants(self.engine.token_ids)
-        self.park_holdings.check_invariants()
+        if self._park_tiers is not None:
+            self.park_holdings.check_invariants()
         self.memory.check_invariants()

@@ -102,7 +102,7 @@ class StorePort(Protocol):
     def decline(self, reason: str, who: str, conversation: str | None, detail: str) -> None: ...
     def shed(self, need_nbytes: int) -> int: ...
     def statistics(self) -> dict: ...
-    def check_invariants(self) -> None: ...
+    def check_invariants(self, alone: bool = True) -> None: ...
 
 
 class StoreCore:
@@ -111,6 +111,7 @@ class StoreCore:
     def __init__(self, memory: MemoryAccountant, *, entry_nbytes: int,
                  hash_fn: Callable[[Sequence[int]], int] = token_hash):
         self.memory = memory
+        self.reserved = 0  # the rooms admitted and not filled or cancelled yet
         self.entry_nbytes = entry_nbytes
         self.hash_fn = hash_fn
         self._entries: OrderedDict[int, StoreEntry] = OrderedDict()  # id -> entry, LRU first
@@ -202,6 +203,7 @@ class StoreCore:
         while not self.memory.reserve(LEVEL, nbytes):
             if not self._evict_lru():
                 return False
+        self.reserved += nbytes
         return True
 
     def insert(self, entry: StoreEntry) -> None:
@@ -210,6 +212,7 @@ class StoreCore:
         if same is not None and id(same) not in self._leased:
             self._drop(same)
         self._entries[id(entry)] = entry
+        self.reserved -= entry.nbytes  # the room admit reserved for it
         self._buckets.setdefault((entry.namespace, entry.key_hash), []).append(entry)
         if entry.kind == "prefix":
             self.stats.prefix_puts += 1
@@ -218,6 +221,7 @@ class StoreCore:
 
     def cancel(self, nbytes: int) -> None:
         """A reservation whose snapshot was not cloned after all."""
+        self.reserved -= nbytes
         self.memory.release(LEVEL, nbytes)
 
     def decline(self, reason: str, who: str, conversation: str | None, detail: str) -> None:
@@ -291,9 +295,13 @@ class StoreCore:
             "collisions": s.collisions, "shed": s.shed,
         }
 
-    def check_invariants(self) -> None:
+    def check_invariants(self, alone: bool = True) -> None:
+        """``alone``: no other generation runs, so no room reserved for one is unfilled."""
         held = self.memory.held[LEVEL]
-        assert held == sum(e.nbytes for e in self._entries.values()), "store bytes"
+        assert self.reserved >= 0, "a room given back twice"
+        assert held == sum(e.nbytes for e in self._entries.values()) + self.reserved, \
+            "store bytes"
+        assert not alone or self.reserved == 0, "a room reserved and never filled"
         assert held <= self.memory.budgets.get(LEVEL, 0), "store over its budget"
         indexed = [e for bucket in self._buckets.values() for e in bucket]
         assert len(indexed) == len(self._entries), "bucket index out of step"
@@ -529,5 +537,5 @@ class StateStore:
     def statistics(self) -> dict:
         return self.port.statistics()
 
-    def check_invariants(self) -> None:
-        self.port.check_invariants()
+    def check_invariants(self, alone: bool = True) -> None:
+        self.port.check_invariants(alone)

@@ -151,8 +151,14 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                   lambda: engine.snapshot().get("rows_in_place") or 0)
     metrics.gauge("tandem_requests_waiting", "Requests waiting for the engine.",
                   lambda: engine.snapshot().get("waiting") or 0)
-    metrics.gauge("tandem_requests_running", "Requests the engine is running.",
-                  lambda: 1 if engine.snapshot().get("request") else 0)
+    metrics.gauge("tandem_requests_running", "Requests the engine is running (one a slot).",
+                  lambda: len(engine.snapshot().get("requests") or ()))
+    metrics.gauge("tandem_decode_steps", "Batched decode forwards run since the start.",
+                  lambda: sum((engine.snapshot().get("decode_batches") or {}).values()))
+    metrics.gauge("tandem_decode_step_rows",
+                  "Sequences those forwards decoded (over tandem_decode_steps: the mean batch).",
+                  lambda: sum(size * n for size, n in
+                              (engine.snapshot().get("decode_batches") or {}).items()))
     metrics.gauge("tandem_slots_busy", "Engine slots a request is running in.",
                   lambda: sum(1 for s in engine.snapshot().get("slots") or () if s["busy"]))
     metrics.gauge("tandem_slots_idle", "Engine slots no request is running in.",

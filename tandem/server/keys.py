@@ -3,9 +3,11 @@
 - SUPERVISOR: the tandem.actors.Supervisor that owns every actor (its ``graph()`` and
   ``statistics()`` feed /v1/actors and the console).
 - ENGINE: the engine actor; ``snapshot() -> dict`` gives rows_in_place, window, prefix_chunk,
-  num_threads, taint and the current request (id, phase, prompt_tokens, generated) or None,
-  from the frozen view the loop publishes (EngineView: the rows and taint as the last
-  generation left them, the tokens counted as the loop delivered them).
+  num_threads, taint and the current request (id, phase, prompt_tokens, generated) or None
+  (the one started last), ``requests`` (every running one, the same fields), ``slots`` and
+  ``decode_batches`` (decode forwards run, by how many sequences each took), from the frozen
+  view the loop publishes (EngineView: the rows and taint as the last generation left them,
+  the tokens counted as the loop delivered them).
 - JOURNAL: the journal; ``tail(n) -> list[dict]`` gives its last rows, newest last.
 - CONFIG: the tandem.config.Config the server runs with.
 - MODEL_NAME: the id /v1/models lists.

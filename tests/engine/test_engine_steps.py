@@ -89,6 +89,9 @@ def test_prefill_steps_yield_a_chunk_marker_between_chunks_only(model):
         while True:
             seen.append(next(steps))
             seen.append(engine.length)
+            # Suspended between chunks, the prefill leaves the thread out of inference mode:
+            # what runs meanwhile (another sequence's copies) makes ordinary tensors.
+            assert not torch.is_inference_mode_enabled()
     assert seen == [CHUNK, 16, CHUNK, 32, CHUNK, 48]
     assert done.value.value is not None and engine.length == 3 * CHUNK_ROWS + 5
     assert run_steps(Engine(model, window=WINDOW, prefix_chunk=CHUNK_ROWS).prefill_steps(

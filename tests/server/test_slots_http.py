@@ -12,7 +12,7 @@ import msgspec
 
 from tandem.config import CacheConfig, SpeculationConfig
 from tandem.server.app import build_app
-from tandem.server.keys import CACHE_STATS
+from tandem.server.keys import CACHE_STATS, ENGINE
 
 SYSTEM = "You are a careful assistant who answers in one short line. " * 8
 
@@ -244,11 +244,15 @@ async def test_four_conversations_at_once_answer_as_each_alone(small_loaded, mak
             model="small", prompt=p, max_tokens=6, temperature=0, logprobs=3) for p in prompts))
 
     firsts = [SYSTEM + f"Conversation {i}. " + _words(40 + i, 100) for i in range(4)]
-    async with serve(build_app(config, small_loaded)) as server:
+    app = build_app(config, small_loaded)
+    async with serve(app) as server:
         client = sdk(server)
         one = await turn(client, firsts)
         seconds = [p + r.choices[0].text + " Then?" for p, r in zip(firsts, one)]
         two = await turn(client, seconds)
+        batches = app[ENGINE].snapshot()["decode_batches"]
+    # They ran at once: decode steps of several slots forwarded as one batch.
+    assert max(batches) >= 2, batches
     assert sorted(_cache(r)["slot"] for r in one) == [0, 1, 2, 3]
     assert [_cache(r)["slot"] for r in two] == [_cache(r)["slot"] for r in one]
     assert all(_cache(r)["source"] == "end" for r in two)
@@ -263,3 +267,57 @@ async def test_four_conversations_at_once_answer_as_each_alone(small_loaded, mak
         client = sdk(server)
         want = [(await turn(client, [p]))[0] for p in seconds]
     assert [r.choices[0].text for r in two] == [r.choices[0].text for r in want]
+
+
+async def test_a_stream_that_leaves_mid_batch_costs_the_one_beside_it_nothing(
+        small_loaded, make_config, serve, sdk):
+    """Two streams decode in one batch; one client leaves mid-stream: its generation is
+    cancelled at its next token and the other's tokens, and those of its next turn resumed at
+    its end, are the ones it gets with nothing beside it (its rows are its own: a decode step's
+    row is the same bits alone or in a batch)."""
+    import aiohttp
+
+    from tandem.server.keys import JOURNAL
+
+
+    config = msgspec.structs.replace(make_config(window=4096),
+                                     speculation=SpeculationConfig(speculation="off"))
+    app = build_app(config, small_loaded)
+    stays = SYSTEM + "Stays. " + _words(7, 90)
+    leaves = {"model": "small", "prompt": "Leaves. " + _words(8, 90), "max_tokens": 300,
+              "temperature": 0, "stream": True}
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        client = sdk(server)
+        async with http.post(f"http://127.0.0.1:{server.port}/v1/completions",
+                             json=leaves) as resp:
+            assert (await resp.content.readline()).startswith(b"data: ")
+            kept = asyncio.create_task(client.completions.create(
+                model="small", prompt=stays, max_tokens=40, temperature=0))
+            # Both decoding (the one that stays has its first token out) before it leaves.
+            while not [r for r in app[ENGINE].snapshot()["requests"]
+                       if r["phase"] == "decode"][1:]:
+                await asyncio.sleep(0.01)
+        # leaving the block closed the streaming connection mid-batch
+        got = await kept
+        for _ in range(400):
+            if len(app[JOURNAL].tail(2)) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(r["finish_reason"] for r in app[JOURNAL].tail(2)) == ["cancelled",
+                                                                            "length"]
+        assert app[ENGINE].snapshot()["decode_batches"].get(2, 0) >= 1
+        again = await client.completions.create(model="small", prompt=stays + got.choices[0].text
+                                                + " More.", max_tokens=6, temperature=0)
+        assert _cache(again)["source"] == "end" and _cache(again)["slot"] == _cache(got)["slot"]
+    # The reference: the same two turns on a server where nothing ran beside them (the second
+    # is served at the end with the engine's own rows, aligned to the client's copy, as there).
+    async with serve(build_app(config, small_loaded)) as server:
+        client = sdk(server)
+        want = await client.completions.create(model="small", prompt=stays, max_tokens=40,
+                                               temperature=0)
+        want_again = await client.completions.create(
+            model="small", prompt=stays + want.choices[0].text + " More.", max_tokens=6,
+            temperature=0)
+        assert _cache(want_again) == _cache(again) | {"slot": 0}
+    assert got.choices[0].text == want.choices[0].text
+    assert again.choices[0].text == want_again.choices[0].text
