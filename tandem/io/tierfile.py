@@ -37,6 +37,7 @@ import os
 import stat
 import struct
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Container, Iterator, Literal, Mapping, Sequence
@@ -369,9 +370,7 @@ class TierFiles:
         except RefusedEntry as exc:
             raise RefusedFile(kind, key, f"its folder is refused: {exc.strerror}") from None
         try:
-            f = DirectFile.open_read(folder, name, self.direct)
-            self.transfers["read_direct" if f.direct else "read_buffered"] += 1
-            return f
+            return DirectFile.open_read(folder, name, self.direct)
         except FileNotFoundError:
             raise MissingFile(kind, key, "no such file") from None
         except RefusedEntry as exc:
@@ -380,6 +379,16 @@ class TierFiles:
             raise RefusedFile(kind, key, "a folder") from None
         finally:
             os.close(folder)
+
+    @contextmanager
+    def _reading(self, kind: FileKind, key: str) -> Iterator[DirectFile]:
+        f = self._open(kind, key)
+        try:
+            yield f
+        finally:
+            # counted after the transfers: a refusal of O_DIRECT shows at the first of them
+            self.transfers["read_direct" if f.direct else "read_buffered"] += 1
+            f.close()
 
     def _header(self, f: DirectFile, kind: FileKind, key: str, accept: Container[str] | None,
                 grid: int | None) -> Header:
@@ -474,7 +483,7 @@ class TierFiles:
                     grid: int | None = None) -> Header:
         """The verified header alone (what the index is built from): magic, version, header
         crc32, kind, key, fingerprint (when ``accept`` is given) and the file's length."""
-        with self._open(kind, key) as f:
+        with self._reading(kind, key) as f:
             return self._header(f, kind, key, accept, grid)
 
     def read_chunk(self, key: Key, accept: Container[str], *,
@@ -483,7 +492,7 @@ class TierFiles:
         """The chunk file of ``key``, every check passed: its header; its token ids equal to
         ``token_ids`` (the prompt's rows there) element by element; its views laid out as
         ``like``'s; every section's crc32. Nothing is returned before all of them passed."""
-        with self._open("chunk", key) as f:
+        with self._reading("chunk", key) as f:
             h = self._header(f, "chunk", key, accept, grid)
             if like is not None:
                 _match_views(h, like, key)
@@ -498,7 +507,7 @@ class TierFiles:
                     like: CacheState | None = None, grid: int | None = None) -> AnchorRead:
         """The anchor file of ``key``, every check passed (see ``read_chunk``). Whether every
         chunk it lists is on disk is the index's to say."""
-        with self._open("anchor", key) as f:
+        with self._reading("anchor", key) as f:
             h = self._header(f, "anchor", key, accept, grid)
             if like is not None:
                 _match_sections(h, like, key)

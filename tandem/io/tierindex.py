@@ -109,8 +109,9 @@ class TierIndex:
         return None
 
     def readers(self, key: Key) -> list[AnchorEntry]:
-        """The anchors that need the chunk ``key``."""
-        return [a for a in self.anchors.values() if key in a.chunks]
+        """The anchors that need the chunk ``key``, shortest first."""
+        return sorted((a for a in self.anchors.values() if key in a.chunks),
+                      key=lambda a: a.line)
 
     def check_invariants(self) -> None:
         for key, e in self.chunks.items():
