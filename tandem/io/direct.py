@@ -103,14 +103,14 @@ class DirectFile:
 
     @classmethod
     def create(cls, dir_fd: int, name: str, direct: bool = True) -> "DirectFile":
-        """A new file, 0600; an old one at ``name`` (a crashed write's temp) is replaced."""
+        """A new file, 0600 (a umask may only narrow it); an old one at ``name`` (a crashed
+        write's temp, or a symlink put there) is unlinked first, never written through."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         try:
             f = cls._open(dir_fd, name, flags, FILE_MODE, direct)
         except FileExistsError:
             os.unlink(name, dir_fd=dir_fd)
             f = cls._open(dir_fd, name, flags, FILE_MODE, direct)
-        os.fchmod(f.fd, FILE_MODE)  # the umask may only narrow it; a wider one never applies
         return f
 
     @classmethod

@@ -64,12 +64,11 @@ FileKind = Literal["chunk", "anchor"]
 SUFFIXES: dict[FileKind, str] = {"chunk": ".chunk", "anchor": ".anchor"}
 TMP = ".tmp"
 
+# What a section may hold, by the name a header writes (str(dtype) without "torch.").
 DTYPES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt
-    for dt in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-               getattr(torch, "float8_e4m3fn", torch.uint8), getattr(torch, "float8_e5m2",
-                                                                      torch.uint8))}
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                 "uint8", "bool", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
 
 
 # -- errors ---------------------------------------------------------------------------------
