@@ -66,6 +66,13 @@ class CaptureLockFifo(Generic[T]):
         self.holder = holder
         return self._waiting.popleft()
 
+    def take(self, holder: T) -> None:
+        """``holder`` takes the free lock without waiting in line (the engine's generations,
+        back after an outside holder they paused for)."""
+        if self.holder is not None:
+            raise CaptureLockMisuse("taken while held")
+        self.holder = holder
+
     def release(self, item: T) -> None:
         if self.holder is not item:
             raise CaptureLockMisuse("released by one who does not hold it")

@@ -329,6 +329,11 @@ class EngineActor(Actor):
         self._inbox_lock = threading.Lock()
         self._scheduling = False  # a scheduler runs on the engine thread (under the lock)
         self._scheduler: asyncio.Future[Any] | None = None
+        # An outside holder takes the lock between two of the scheduler's rounds: the thread
+        # parks (``_unpause`` wakes it) while ``_paused``; ``_pausing`` while it is asked to.
+        self._pausing = False
+        self._paused = False
+        self._unpause = threading.Event()
         self._runs: dict[str, _Run] = {}  # engine thread only
         self._thread_prefilling: str | None = None  # engine thread only: the prefilling run
         # The decode steps run, by how many sequences each forwarded at once (the thread's
@@ -548,6 +553,7 @@ class EngineActor(Actor):
             task.cancel()  # its asks fail as the tiers stop; no task of this actor outlives it
         if tasks:
             await asyncio.wait(tasks)
+        self._unpause.set()  # a parked scheduler goes on, to see its runs cancelled
         if self._scheduler is not None and not self._scheduler.done():
             # The runs stop at their next token; wait so that no torch work outlives the actor.
             await asyncio.wait([self._scheduler])
@@ -626,7 +632,9 @@ class EngineActor(Actor):
         self._lock.check_invariants()
         ids = [item.request_id for item in self._lock.waiting() if isinstance(item, _Job)]
         assert len(ids) == len(set(ids)), "a request waits twice"
-        assert bool(self._active) == self.busy, "generations run without the capture lock"
+        assert self.busy <= bool(self._active), "the generations hold the lock with none running"
+        assert bool(self._active) <= (self.busy or self._paused), \
+            "generations run without the capture lock"
         assert len(self._active) <= self.parallel, "more generations than slots"
         assert self._prefilling is None or self._prefilling.request_id in self._active, \
             "a prefill runs for a job that is not running"
@@ -715,17 +723,27 @@ class EngineActor(Actor):
         """Hand the lock to the next in line while it is free; a job behind the running
         generations joins them while a slot is idle and no other prefill is being planned
         or run (prefills run one at a time; a slot's decode never waits for a plan). An
-        outside holder waits for every running generation to end, and those behind it wait
-        for it (the FIFO's order)."""
+        outside holder gets it between two of the scheduler's rounds (the running
+        generations pause until it releases: a copy waits at most one step), and those
+        behind it wait for it (the FIFO's order)."""
         if self._fault is not None or self.state == "stopped":
             return
-        while (item := self._lock.peek()) is not None:
+        while True:
+            item = self._lock.peek()
+            holder = self._lock.holder
             if isinstance(item, _Outside):
+                if holder is self._group:
+                    self._pause_steps()
+                    return
                 if self._lock.grant_next() is None:
                     return
                 self._emit(item.reply_to, CaptureLockGranted(item.holder, item.grant_id))
                 continue
-            holder = self._lock.holder
+            if self._paused and holder is None:
+                self._resume_steps()
+                holder = self._lock.holder
+            if item is None:
+                return
             if holder is not None and (holder is not self._group or self._prefilling is not None
                                        or len(self._active) >= self.parallel):
                 return
@@ -747,6 +765,31 @@ class EngineActor(Actor):
             self._submit("start", job, None)
         else:
             self._task(self._prepare(job))
+
+    def _pause_steps(self) -> None:
+        """On the loop: ask the scheduler to park between two rounds; once it has, the
+        running generations give the lock up to the outside holder waiting."""
+        if self._pausing or self._paused:
+            return
+        self._pausing = True
+        parked = self._on_thread(_park_marker)
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            self._pausing = False
+            self._paused = True
+            if self._lock.holder is self._group:
+                self._lock.release(self._group)
+            self._pump()
+
+        parked.add_done_callback(done)
+
+    def _resume_steps(self) -> None:
+        """On the loop: the outside holders are done; the running generations take the lock
+        back and the scheduler goes on."""
+        self._paused = False
+        if self._active:
+            self._lock.take(self._group)
+        self._unpause.set()
 
     def _task(self, work: Any) -> None:
         task = self._loop.create_task(work)
@@ -825,7 +868,13 @@ class EngineActor(Actor):
                     self._scheduling = False
                     return
             for kind, job, value in items:
-                if kind == "call":
+                if kind == "call" and value[0] is _park_marker:
+                    # An outside holder takes the capture lock: the thread parks here,
+                    # between two rounds, until the loop gives the generations it back.
+                    self._to_loop(_settle, value[2], None, None)
+                    self._unpause.wait()
+                    self._unpause.clear()
+                elif kind == "call":
                     fn, args, fut = value
                     try:
                         self._to_loop(_settle, fut, fn(*args), None)
@@ -1537,7 +1586,7 @@ class EngineActor(Actor):
             self.accepted_total += result.accepted
             self._report_to_suffix(job, outcome)
         self._pump()
-        if self._draining and not self.busy:
+        if self._draining and not self._active:
             sinks, self._drain_sinks = self._drain_sinks, []
             for sink in sinks:
                 self._emit(sink, EngineDrained())
@@ -1581,6 +1630,10 @@ class EngineActor(Actor):
 
 
 _NO_PUT = object()  # the loop's answer to an _AskStore with nothing to admit
+
+
+def _park_marker() -> None:
+    """The scheduler's "call" that parks it for an outside holder (never called)."""
 
 
 def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -130,8 +130,10 @@ class Probe(Actor):
                     await self._arrived.wait()
         except TimeoutError:
             unread = [type(r.message).__name__ for r in self._unread]
+            wanted = (" or ".join(t.__name__ for t in msg_type) if isinstance(msg_type, tuple)
+                      else msg_type.__name__)
             raise TimeoutError(
-                f"{self.name} got no {msg_type.__name__} in {timeout_s} s; unread: {unread}"
+                f"{self.name} got no {wanted} in {timeout_s} s; unread: {unread}"
             ) from None
 
 

@@ -163,27 +163,32 @@ async def test_drain_finishes_the_running_generation_and_starts_nothing_new():
 
 
 async def test_capture_lock_is_granted_in_fifo_order_and_holds_off_generations():
+    """An outside holder gets the lock between two of the engine's steps (the running
+    generation pauses there while it holds), in arrival order with the generations behind it."""
     engine = ScriptedEngine([1], gated=True)
     harness, client, actor = system(engine)
     tier = harness.probe("tier")
     copier = harness.probe("copier")
     async with harness:
-        await generate(harness, client, "g1")  # the engine holds the lock for it
+        await generate(harness, client, "g1")  # the engine's generations hold the lock
         await harness.inject("engine", RequestCaptureLock("tier", reply_to=tier))
         await generate(harness, client, "g2")  # behind the tier in the FIFO
         await harness.inject("engine", RequestCaptureLock("copier", reply_to=copier))
-        assert actor.snapshot()["capture_lock"] == "engine"
+        # A scripted generation is one step: g1's ends before the tier's turn, or the tier's
+        # comes first and g1 waits for it.
         engine.step(1)
-        assert (await client.expect(GenerationFinished)).request_id == "g1"
         grant = await tier.expect(CaptureLockGranted)
         assert actor.snapshot()["capture_lock"] == "tier"
-        assert not engine.running.is_set() and copier.unread == []
+        assert not engine.running.is_set()  # nothing runs while the tier holds
+        assert copier.unread == [] and actor.waiting == 1  # g2 (the copier is no request)
+        actor.check_invariants()
         await harness.inject("engine", ReleaseCaptureLock("tier", grant.grant_id))
-        engine.step(1)
-        assert (await client.expect(GenerationFinished)).request_id == "g2"
+        assert (await client.expect(GenerationFinished)).request_id == "g1"
+        engine.step(1)  # g2's token, let out before or after the copier's turn
         grant2 = await copier.expect(CaptureLockGranted)
         assert grant2.grant_id != grant.grant_id
         await harness.inject("engine", ReleaseCaptureLock("copier", grant2.grant_id))
+        assert (await client.expect(GenerationFinished)).request_id == "g2"
         await harness.ask("engine", CancelGeneration("nothing"))  # a round trip: all handled
         assert actor.snapshot()["capture_lock"] is None
         actor.check_invariants()

@@ -123,6 +123,7 @@ async def test_a_decoding_slot_gets_a_step_between_every_two_chunks_of_another_p
 async def test_three_generations_at_once_give_each_the_tokens_it_gets_alone():
     prompts = {"a": _prompt(40, 3), "b": _prompt(21, 4), "c": _prompt(70, 5)}
     wanted = {"a": 400, "b": 300, "c": 40}  # the first two decode while the others plan
+    alone = {name: await _alone(prompt, wanted[name]) for name, prompt in prompts.items()}
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
     client = harness.probe("client")
     actor = _system(harness, 3)
@@ -140,7 +141,9 @@ async def test_three_generations_at_once_give_each_the_tokens_it_gets_alone():
     assert batches.get(3, 0) >= 10, batches  # the three decoded as one batch
     assert sorted(d.slot for d in done.values()) == [0, 1, 2]
     for name, prompt in prompts.items():
-        assert tokens[name] == await _alone(prompt, wanted[name]), name
+        again = await _alone(prompt, wanted[name])
+        assert again == alone[name], f"{name} alone differs from alone"
+        assert tokens[name] == alone[name], name
 
 
 async def test_cancelling_one_generation_mid_batch_leaves_the_other_its_tokens_and_rows():
@@ -172,27 +175,45 @@ async def test_cancelling_one_generation_mid_batch_leaves_the_other_its_tokens_a
     assert more == await _alone(follow, 6)
 
 
-async def test_an_outside_holder_waits_for_the_running_generations_and_holds_off_later_ones():
+async def test_an_outside_holder_takes_the_lock_between_two_steps_and_holds_off_later_ones():
+    """A copier's RequestCaptureLock (the disk and spill writers' copies) is granted between two
+    of the scheduler's rounds: the running generation pauses (no token while it holds), a
+    request behind it in line waits for it, and the paused one goes on to the tokens it gets
+    alone once it releases."""
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
     client = harness.probe("client")
     copier = harness.probe("copier")
     actor = _system(harness, 2)
+    a = _prompt(9, 8)
     async with harness:
-        await harness.ask("engine", Generate("a", _prompt(9, 8), GenerationParams(max_tokens=30),
+        await harness.ask("engine", Generate("a", a, GenerationParams(max_tokens=300),
                                              reply_to=client))
+        first = await client.expect(TokenGenerated, 20)
         await harness.inject("engine", RequestCaptureLock("copier", reply_to=copier))
         await harness.ask("engine", Generate("b", _prompt(9, 9), GenerationParams(max_tokens=3),
                                              reply_to=client))
-        # b waits behind the copier although a slot is idle: the FIFO's order.
-        assert actor.running == 1 and actor.waiting == 1
-        tokens: dict[str, list[int]] = {}
+        grant = await copier.expect(CaptureLockGranted, 20)
+        assert actor.snapshot()["capture_lock"] == "copier" and actor.running == 1
+        assert actor.waiting == 1  # b waits behind the copier although a slot is idle
+        actor.check_invariants()
+        tokens: dict[str, list[int]] = {"a": [first.token_id]}
+        for record in client.unread:  # what a wrote before the thread parked
+            if isinstance(record.message, TokenGenerated):
+                got = await client.expect(TokenGenerated, 1)
+                tokens.setdefault(got.request_id, []).append(got.token_id)
+        try:
+            await client.expect(TokenGenerated, 0.2)
+            raise AssertionError("a token came while the copier held the lock")
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+        assert len(tokens["a"]) < 299
+        await harness.inject("engine", ReleaseCaptureLock("copier", grant.grant_id))
         done: dict[str, GenerationFinished] = {}
         await _read(client, "a", tokens, done)
-        grant = await copier.expect(CaptureLockGranted, 20)
-        assert actor.snapshot()["capture_lock"] == "copier" and actor.running == 0
-        assert "b" not in tokens
-        await harness.inject("engine", ReleaseCaptureLock("copier", grant.grant_id))
         await _read(client, "b", tokens, done)
         await asyncio.sleep(0)
         actor.check_invariants()
+        assert actor.snapshot()["capture_lock"] is None
     assert len(tokens["b"]) == 3
+    alone = await _alone(a, 300)
+    assert tokens["a"] == alone
