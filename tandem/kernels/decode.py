@@ -33,17 +33,21 @@ import torch.nn.functional as F
 BLOCK = 2  # the rows of every decode matmul: the most read at the GEMV's rate
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for x [B, K], weight [N, K]: [B, N], row b's bits a function of x[b]."""
+def rows_linear(x: torch.Tensor, weight: torch.Tensor,
+                weight_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for x [B, K], weight [N, K]: [B, N], row b's bits a function of x[b].
+    ``weight_t``, ``weight.t()`` made once by a caller, saves F.linear's layers of dispatch
+    (four calls on top of the one torch.mm that F.linear makes of a 2-D input: the same bits)."""
+    wt = weight.t() if weight_t is None else weight_t
     b = x.shape[0]
     if b == BLOCK:
-        return F.linear(x, weight)
+        return torch.mm(x, wt)
     if b < BLOCK:
-        return F.linear(torch.cat([x, x[:1].expand(BLOCK - b, -1)]), weight)[:b]
-    out = x.new_empty(b, weight.shape[0])
+        return torch.mm(torch.cat([x, x[:1].expand(BLOCK - b, -1)]), wt)[:b]
+    out = x.new_empty(b, wt.shape[1])
     for a in range(0, b, BLOCK):
         s = min(a, b - BLOCK)  # the last block reaches back to hold BLOCK rows
-        out[s:s + BLOCK] = F.linear(x[s:s + BLOCK], weight)
+        torch.mm(x[s:s + BLOCK], wt, out=out[s:s + BLOCK])
     return out
 
 
@@ -88,16 +92,17 @@ def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
                        weight: torch.Tensor) -> torch.Tensor:
     """The GDN conv of one decode token for each of B sequences, with SiLU: x [R, C] (R >= B;
     rows past B pad a lone sequence to BLOCK rows), tails[b] [C, K-1] (sequence b's last K-1
-    inputs, updated in place), weight [C, K] fp32. Returns [R, C] in x's dtype, a pad row's
-    zeros. Each row is a multiply and a sum over the K taps on its own tail (F.conv1d's
-    depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B."""
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    inputs, updated in place), weight [C, K] fp32. Returns [R, C] in x's dtype, a pad row a
+    copy of row 0's. Each row is a multiply and a sum over the K taps on its own tail
+    (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B."""
     cols = x.unsqueeze(-1)  # [R, C, 1]
     same = x.dtype == torch.float32
+    out = []
     for b, tail in enumerate(tails):
         full = torch.cat([tail if tail.dtype == x.dtype else tail.to(x.dtype), cols[b]], dim=1)
-        torch.sum((full if same else full.float()) * weight, dim=-1, out=y[b])
+        out.append(((full if same else full.float()) * weight).sum(-1))
         tail.copy_(full[:, 1:])
+    y = torch.stack(out + out[:1] * (x.shape[0] - len(tails)))
     return each_row(F.silu, y if same else y.to(x.dtype))
 
 
@@ -107,20 +112,20 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """One decode token of the gated delta rule for each of B sequences, on prepared inputs:
     q, k [R, Hv, dk] fp32 (L2-normalised, q scaled, heads repeated to v's; R >= B, rows past B
     a pad), v [R, Hv, dv] fp32, decay (exp of the log decay) and beta [R, Hv] fp32; states[b]
-    [Hv, dk, dv] fp32, updated in place. Returns o [R, Hv, dv] fp32, a pad row's zeros.
-    Sequence b's arithmetic is its own rows' alone."""
+    [Hv, dk, dv] fp32, updated in place. Returns o [R, Hv, dv] fp32, a pad row a copy of row
+    0's. Sequence b's arithmetic is its own rows' alone."""
     r, h, dv = v.shape
-    o = torch.zeros(r, h, 1, dv, dtype=torch.float32)
     # Every row's operands as the per-head [H, 1, d] and [H, d, 1] matrices bmm takes, viewed
     # once for the batch (a view per row and operand cost as much as the arithmetic).
     k_rows = k.unsqueeze(2)  # [R, H, 1, dk]
     k_cols = k_rows.transpose(2, 3)  # [R, H, dk, 1]
     q_rows, v_rows = q.unsqueeze(2), v.unsqueeze(2)
     decay4, beta4 = decay.reshape(r, h, 1, 1), beta.reshape(r, h, 1, 1)
+    out = []
     for b, s in enumerate(states):
         s.mul_(decay4[b])
         kb = k_rows[b]
         delta = (v_rows[b] - torch.bmm(kb, s)) * beta4[b]  # [H, 1, dv]
         s.baddbmm_(k_cols[b], delta)  # s + k^T delta
-        torch.bmm(q_rows[b], s, out=o[b])
-    return o.view(r, h, dv)
+        out.append(torch.bmm(q_rows[b], s))
+    return torch.stack(out + out[:1] * (r - len(states))).view(r, h, dv)

@@ -203,6 +203,7 @@ class HybridModel:
         self._fused = self._fuse_projections()
         self._gain = self._decode_constants()
         self._k = [f"layers.{i}." for i in range(len(config.layer_types))]
+        self._wt = self._decode_transposed()
         self._eps = _scalar(config.rms_norm_eps)
         self._l2_eps = _scalar(1e-6)  # reference.l2norm's
         self._q_scale = _scalar(config.linear_key_head_dim ** -0.5)
@@ -561,11 +562,22 @@ class HybridModel:
                 out[name] = t[:, 0, :].float()
         return out
 
+    def _decode_transposed(self) -> dict[str, torch.Tensor]:
+        """Every matrix decode multiplies by, as the ``t()`` view rows_linear takes (a view a
+        call made once), by weight name and by fused projection."""
+        out = {name: t.t() for name, t in self.w.items() if t.dim() == 2}
+        out.update({key: fused.t() for key, (_, _, fused) in self._fused.items()
+                    if fused is not None})
+        return out
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return kernels.rows_linear(x, self.w[name], self._wt[name])
+
     def _project(self, key: str, h: torch.Tensor) -> list[torch.Tensor]:
         names, sizes, fused = self._fused[key]
         if fused is None:
-            return [kernels.rows_linear(h, self.w[n]) for n in names]
-        y = kernels.rows_linear(h, fused)
+            return [self._linear(h, n) for n in names]
+        y = kernels.rows_linear(h, fused, self._wt[key])
         parts, at = [], 0
         for size in sizes:  # slices: torch.split's views at a third of its cost
             parts.append(y[:, at:at + size])
@@ -630,11 +642,10 @@ class HybridModel:
                               + ([h.new_zeros(rows - n, h.shape[1])] if rows > n else []))
             else:
                 gate, up = self._project(p + "mlp.gate_up", h)
-                h = kernels.rows_linear(each_row(F.silu, gate) * up,
-                                        self.w[p + "mlp.down_proj.weight"])
+                h = self._linear(each_row(F.silu, gate) * up, p + "mlp.down_proj.weight")
             x = x + h
         x = _rms_rows(x, self._gain["norm.weight"], self._eps)
-        logits = kernels.rows_linear(x, self.w["lm_head.weight"])
+        logits = self._linear(x, "lm_head.weight")
         logits = logits if rows == n else logits[:n]
         return logits if logits.dtype == torch.float32 else logits.float()
 
@@ -656,15 +667,16 @@ class HybridModel:
         if mixed.dtype != torch.float32:
             mixed = mixed.float()
         kd = c.key_dim
-        q = mixed[:, :kd].reshape(n, hk, dk)
-        k = mixed[:, kd:2 * kd].reshape(n, hk, dk)
-        v = mixed[:, 2 * kd:].reshape(n, hv, dv)
+        # reference.l2norm over q and k at once (the same per-head rows), its constants as
+        # tensors (a Python float costs a conversion a call; the same bits); heads repeated
+        # after it, which gives the same values
+        qk = mixed[:, :2 * kd].reshape(n, 2 * hk, dk)
+        qk = qk * torch.rsqrt((qk * qk).sum(dim=-1, keepdim=True) + self._l2_eps)
+        q, k = qk[:, :hk], qk[:, hk:]
         if hv != hk:
             q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
-        # reference.l2norm, with its constants as tensors (a Python float costs a conversion
-        # a call; the same bits)
-        q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + self._l2_eps) * self._q_scale
-        k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + self._l2_eps)
+        q = q * self._q_scale
+        v = mixed[:, 2 * kd:].reshape(n, hv, dv)
         beta = each_row(torch.sigmoid, b)
         if beta.dtype != torch.float32:
             beta = beta.float()
@@ -684,7 +696,7 @@ class HybridModel:
                                                   else zf.float())
         if o.dtype != self.dtype:
             o = o.to(self.dtype)
-        return kernels.rows_linear(o.reshape(n, -1), w[p + "out_proj.weight"])
+        return self._linear(o.reshape(n, -1), p + "out_proj.weight")
 
     def _attention_rows(self, i: int, h: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
@@ -708,19 +720,20 @@ class HybridModel:
         qr, kr = q[..., :rd], k[..., :rd]
         qr.copy_(qr * cos + qr.roll(half, -1) * sin)
         kr.copy_(kr * cos + kr.roll(half, -1) * sin)
-        out = torch.zeros(n, nh, hd, dtype=self.dtype)
         q5 = q[:, None, :, None]  # [R, 1, nh, 1, hd]: row b is SDPA's [1, nh, 1, hd]
         scale = hd ** -0.5
+        out = []
         for b, at in enumerate(positions):
             kbuf, vbuf = keys[b][slot], values[b][slot]
             kbuf[:, at] = k[b]
             vbuf[:, at] = v[b]
             # A decode token sees every key of its own sequence: no mask.
-            out[b] = F.scaled_dot_product_attention(
+            out.append(F.scaled_dot_product_attention(
                 q5[b], kbuf[None, :, :at + 1], vbuf[None, :, :at + 1],
-                scale=scale, enable_gqa=True)[0, :, 0]
+                scale=scale, enable_gqa=True))
+        out = torch.stack(out + out[:1] * (n - len(positions)))  # [R, 1, nh, 1, hd]
         out = out.reshape(n, nh * hd) * each_row(torch.sigmoid, gate)
-        out = kernels.rows_linear(out, w[p + "o_proj.weight"])
+        out = self._linear(out, p + "o_proj.weight")
         return out + w[p + "o_proj.bias"] if c.attention_bias else out
 
 
