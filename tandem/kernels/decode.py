@@ -67,25 +67,31 @@ def each_row(fn, x: torch.Tensor) -> torch.Tensor:
     loop a row at a time), or contiguous rows of a multiple of every loop's step (no row has a
     tail), or fewer elements than the smallest step (every element scalar, as alone). Else a
     call a row. Exact ops (add, mul, rsqrt) need none of this."""
-    rows = x.shape[0]
-    if rows == 1:
+    if x.shape[0] == 1:
         return fn(x)
-    width = x.numel() // rows
-    if x.numel() < _GRAIN and _rows_inner_contiguous(x):
-        if x.numel() < _SCALAR_ONLY or (x.stride(0) != width if x.dim() > 1 else False) \
-                or (width % _STEP == 0 and x.stride(0) == width):
-            return fn(x)
+    key = (x.shape, x.stride())
+    whole = _WHOLE.get(key)
+    if whole is None:
+        whole = _WHOLE[key] = _one_call_is_each_row(x)
+    if whole:
+        return fn(x)
     return torch.stack([fn(row) for row in x.unbind(0)])
 
 
-def _rows_inner_contiguous(x: torch.Tensor) -> bool:
-    """Each row of x one run of memory (strides of a contiguous row)."""
-    expected = 1
+_WHOLE: dict[tuple, bool] = {}  # each_row's answer by shape and strides (a few a model)
+
+
+def _one_call_is_each_row(x: torch.Tensor) -> bool:
+    rows, numel = x.shape[0], x.numel()
+    width = numel // rows
+    expected = 1  # each row one run of memory: the strides of a contiguous row
     for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
         if size != 1 and stride != expected:
             return False
         expected *= size
-    return True
+    if numel >= _GRAIN:
+        return False
+    return numel < _SCALAR_ONLY or x.stride(0) != width or width % _STEP == 0
 
 
 def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],

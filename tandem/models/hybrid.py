@@ -755,17 +755,29 @@ def _mean_last(x: torch.Tensor) -> torch.Tensor:
     division by the count: the same bits) at half its cost; by a power of two the division is
     a product by the exact reciprocal."""
     count = x.shape[-1]
-    total = x.sum(-1, keepdim=True)
+    op, by = _DIVIDE.get(count) or _divide_by(count)
+    return op(x.sum(-1, keepdim=True), by)
+
+
+_DIVIDE: dict[int, tuple] = {}
+
+
+def _divide_by(count: int) -> tuple:
     if count & (count - 1) == 0:
-        return total.mul_(_scalar(1.0 / count))
-    return total.div_(_scalar(float(count)))
+        out = (torch.Tensor.mul_, _scalar(1.0 / count))
+    else:
+        out = (torch.Tensor.div_, _scalar(float(count)))
+    _DIVIDE[count] = out
+    return out
 
 
 def _rms_rows(x: torch.Tensor, gain: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """rms_norm with its 1 + w computed once (``gain``, fp32), over the last axis of each row;
     ``eps`` a 0-dim fp32 tensor."""
     xf = x if x.dtype == torch.float32 else x.float()
-    out = xf * torch.rsqrt(_mean_last(xf * xf).add_(eps)) * gain  # xf * xf: pow(2)'s bits
+    op, by = _DIVIDE.get(xf.shape[-1]) or _divide_by(xf.shape[-1])
+    # xf * xf: pow(2)'s bits
+    out = xf * torch.rsqrt(op((xf * xf).sum(-1, keepdim=True), by).add_(eps)) * gain
     return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
