@@ -64,7 +64,7 @@ def each_row(fn, x: torch.Tensor) -> torch.Tensor:
     4 to 128), and which elements fall in the tail is decided by a loop's range. One call over
     the batch gives each row its own bits where the ranges are the rows' own or split alike, on
     one thread: rows apart in memory (a projection's slice: ATen cannot merge them and runs the
-    loop a row at a time), or contiguous rows of a multiple of every loop's step (no row has a
+    loop a row at a time; a row itself in runs, each its own range alone too), or contiguous rows of a multiple of every loop's step (no row has a
     tail), or fewer elements than the smallest step (every element scalar, as alone). Else a
     call a row. Exact ops (add, mul, rsqrt) need none of this."""
     if x.shape[0] == 1:
@@ -83,14 +83,15 @@ _WHOLE: dict[tuple, bool] = {}  # each_row's answer by shape and strides (a few 
 
 def _one_call_is_each_row(x: torch.Tensor) -> bool:
     rows, numel = x.shape[0], x.numel()
-    width = numel // rows
-    expected = 1  # each row one run of memory: the strides of a contiguous row
-    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
     if numel >= _GRAIN:
         return False
+    width = numel // rows
+    expected = 1  # a row one run of memory: the strides of a contiguous row
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != expected:
+            # the loop runs over a row's own runs, the same alone and in the batch
+            return x.stride(-1) == 1 or x.shape[-1] == 1
+        expected *= size
     return numel < _SCALAR_ONLY or x.stride(0) != width or width % _STEP == 0
 
 

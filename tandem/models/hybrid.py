@@ -577,12 +577,7 @@ class HybridModel:
         names, sizes, fused = self._fused[key]
         if fused is None:
             return [self._linear(h, n) for n in names]
-        y = kernels.rows_linear(h, fused, self._wt[key])
-        parts, at = [], 0
-        for size in sizes:  # slices: torch.split's views at a third of its cost
-            parts.append(y[:, at:at + size])
-            at += size
-        return parts
+        return kernels.rows_linear(h, fused, self._wt[key]).split_with_sizes(sizes, 1)
 
     def forward_batch(self, states: list[ModelState], token_ids: list[int],
                       positions: list[int]) -> torch.Tensor:
@@ -604,8 +599,11 @@ class HybridModel:
         holds, so the lone sequence's logits are those it gets in any batch."""
         c, k = self.config, self._k
         n = len(states)
-        ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
-        x = F.embedding(torch.tensor(ids, dtype=torch.long), self.w["embed_tokens.weight"])
+        embed = self.w["embed_tokens.weight"]
+        if n == 1:  # the row and its pad, one view (x is never written in place)
+            x = embed[token_ids[0]].expand(decode_ops.BLOCK, -1)
+        else:
+            x = F.embedding(torch.tensor(token_ids, dtype=torch.long), embed)
         rows = x.shape[0]
         pos = torch.tensor(positions, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
@@ -709,8 +707,10 @@ class HybridModel:
         if c.attention_bias:
             k, qg, v = (t + w[f"{p}{name}.bias"] for t, name in
                         ((k, "k_proj"), (qg, "q_proj"), (v, "v_proj")))
-        qg = qg.reshape(n, nh, 2 * hd)
+        qg = qg.view(n, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
+        # a copy, as the sigmoid read it before (on its view, a head at a time, it rounds a
+        # head dim that is no multiple of the loop's step otherwise)
         gate = gate.reshape(n, nh * hd)
         q = _rms_rows(q, self._gain[p + "q_norm.weight"], self._eps)
         k = _rms_rows(k.reshape(n, nkv, hd), self._gain[p + "k_norm.weight"], self._eps)
@@ -732,7 +732,7 @@ class HybridModel:
                 q5[b], kbuf[None, :, :at + 1], vbuf[None, :, :at + 1],
                 scale=scale, enable_gqa=True))
         out = torch.stack(out + out[:1] * (n - len(positions)))  # [R, 1, nh, 1, hd]
-        out = out.reshape(n, nh * hd) * each_row(torch.sigmoid, gate)
+        out = out.view(n, nh * hd) * each_row(torch.sigmoid, gate)
         out = self._linear(out, p + "o_proj.weight")
         return out + w[p + "o_proj.bias"] if c.attention_bias else out
 

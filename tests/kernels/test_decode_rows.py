@@ -52,16 +52,20 @@ def test_rows_linear_on_a_weight_transposed_once_is_f_linear_s_bits():
 
 
 # each_row's one-call cases, by layout: a projection's slice (rows apart), contiguous rows of a
-# multiple of 64, a call under 16 elements; and where one call must not be taken (contiguous
+# multiple of 64, a call under 16 elements, rows themselves in runs (half of each head's [q,
+# gate], as attention's projection gives them); and where one call must not be taken (contiguous
 # rows of 4 to 48 elements at 2 to 8 rows, whose tails move with the batch)
 ONE_CALL = [("slice", 4), ("slice", 16), ("slice", 24), ("slice", 100), ("slice", 128),
-            ("contiguous", 64), ("contiguous", 384), ("contiguous", 3584), ("small", 4)]
+            ("contiguous", 64), ("contiguous", 384), ("contiguous", 3584), ("small", 4),
+            ("heads", 24), ("heads", 32)]
 ROW_A_CALL = [("contiguous", 16), ("contiguous", 24), ("contiguous", 48), ("contiguous", 100)]
 
 
 def _rows(layout: str, width: int, rows: int, gen: torch.Generator) -> torch.Tensor:
     if layout == "slice":  # a part of a fused projection's output, as decode takes it
         return torch.randn(rows, width + 40, generator=gen)[:, 8:8 + width]
+    if layout == "heads":  # 3 heads of `width`, each the second half of its [2 * width]
+        return torch.randn(rows, 3, 2 * width, generator=gen)[..., width:]
     return torch.randn(rows, width, generator=gen) * 4
 
 
@@ -74,7 +78,7 @@ def test_each_row_gives_a_row_the_bits_it_gets_alone_in_one_call_or_a_call_a_row
         x = _rows(layout, width, rows, gen)
         got = each_row(fn, x)
         for b in range(rows):
-            assert torch.equal(got[b], fn(x[b].clone())), (rows, b)
+            assert torch.equal(got[b], fn(x[b])), (rows, b)  # the row as it lies, alone
 
 
 def test_one_call_over_contiguous_rows_of_a_few_elements_would_move_a_rows_bits():
