@@ -23,6 +23,13 @@ dropped), more go in pairs, an odd last row taking its predecessor again (the sa
 One sequence's decode runs this very path at B = 1, so alone and batched are the same bits; a
 step reads the weights ceil(B / 2) times, each at the GEMV's rate: B = 2 and 4 decode 2x one
 sequence's tokens a second, as 3 rows a call would at B = 4 while costing one sequence 10 %.
+HybridModel.forward_batch carries a lone sequence's pad row itself, from the embedding on, so
+that its calls take their two rows as they are.
+
+A lone token's step on `tiny` spends more in per-call overhead (about 1 us a torch call, some
+600 calls) than in its layers' weights, so these kernels and the model's step take the fewest
+calls that give the same bits: torch.mm on a weight transposed once (F.linear is that mm four
+dispatch layers down), views made once a batch, rows stacked rather than zeroed and copied.
 """
 
 from __future__ import annotations

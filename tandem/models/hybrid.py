@@ -600,10 +600,13 @@ class HybridModel:
         c, k = self.config, self._k
         n = len(states)
         embed = self.w["embed_tokens.weight"]
-        if n == 1:  # the row and its pad, one view (x is never written in place)
+        if n == 1 and 0 <= token_ids[0] < embed.shape[0]:
+            # the row and its pad, one view (x is never written in place); F.embedding refuses
+            # an id out of range, where indexing would take a negative one from the end
             x = embed[token_ids[0]].expand(decode_ops.BLOCK, -1)
         else:
-            x = F.embedding(torch.tensor(token_ids, dtype=torch.long), embed)
+            ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
+            x = F.embedding(torch.tensor(ids, dtype=torch.long), embed)
         rows = x.shape[0]
         pos = torch.tensor(positions, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
