@@ -60,8 +60,8 @@ def moe_experts(x, gate_up, down, top_w, top_i):
     return _OPS["moe_experts"](x, gate_up, down, top_w, top_i)
 
 
-def rows_linear(x, weight):
-    return _OPS["rows_linear"](x, weight)
+def rows_linear(x, weight, weight_t=None):
+    return _OPS["rows_linear"](x, weight, weight_t)
 
 
 def causal_conv1d_rows(x, tails, weight):

@@ -23,6 +23,13 @@ dropped), more go in pairs, an odd last row taking its predecessor again (the sa
 One sequence's decode runs this very path at B = 1, so alone and batched are the same bits; a
 step reads the weights ceil(B / 2) times, each at the GEMV's rate: B = 2 and 4 decode 2x one
 sequence's tokens a second, as 3 rows a call would at B = 4 while costing one sequence 10 %.
+HybridModel.forward_batch carries a lone sequence's pad row itself, from the embedding on, so
+that its calls take their two rows as they are.
+
+A lone token's step on `tiny` spends more in per-call overhead (about 1 us a torch call, some
+600 calls) than in its layers' weights, so these kernels and the model's step take the fewest
+calls that give the same bits: torch.mm on a weight transposed once (F.linear is that mm four
+dispatch layers down), views made once a batch, rows stacked rather than zeroed and copied.
 """
 
 from __future__ import annotations
@@ -33,57 +40,106 @@ import torch.nn.functional as F
 BLOCK = 2  # the rows of every decode matmul: the most read at the GEMV's rate
 
 
-def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for x [B, K], weight [N, K]: [B, N], row b's bits a function of x[b]."""
+def rows_linear(x: torch.Tensor, weight: torch.Tensor,
+                weight_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T`` for x [B, K], weight [N, K]: [B, N], row b's bits a function of x[b].
+    ``weight_t``, ``weight.t()`` made once by a caller, saves F.linear's layers of dispatch
+    (four calls on top of the one torch.mm that F.linear makes of a 2-D input: the same bits)."""
+    wt = weight.t() if weight_t is None else weight_t
     b = x.shape[0]
     if b == BLOCK:
-        return F.linear(x, weight)
+        return torch.mm(x, wt)
     if b < BLOCK:
-        return F.linear(torch.cat([x, x[:1].expand(BLOCK - b, -1)]), weight)[:b]
-    out = x.new_empty(b, weight.shape[0])
+        return torch.mm(torch.cat([x, x[:1].expand(BLOCK - b, -1)]), wt)[:b]
+    out = x.new_empty(b, wt.shape[1])
     for a in range(0, b, BLOCK):
         s = min(a, b - BLOCK)  # the last block reaches back to hold BLOCK rows
-        out[s:s + BLOCK] = F.linear(x[s:s + BLOCK], weight)
+        torch.mm(x[s:s + BLOCK], wt, out=out[s:s + BLOCK])
     return out
 
 
+# ATen's vectorised CPU loop (vectorized_loop) takes 2 vectors a step, at most 64 elements (bf16
+# on AVX-512), at least 16 (fp32 on AVX2), and hands what is left of its range to the scalar
+# function; a call under ATen's grain (32,768 elements) runs on one thread, its range unsplit.
+_STEP, _SCALAR_ONLY, _GRAIN = 64, 16, 32768
+
+
 def each_row(fn, x: torch.Tensor) -> torch.Tensor:
-    """``fn`` (an elementwise op) over each row of x [B, ...] on its own. torch's vectorised CPU
-    loops round sigmoid, silu and softplus otherwise in a loop's tail than in its body (measured:
-    a row of a [40, L] call differs from the same row alone for L = 4 to 128), and a row's place
-    in the flat tensor decides which of its elements fall in the tail; one row a call makes the
-    split the row's own. Exact ops (add, mul, rsqrt) need none of this."""
+    """``fn`` (ONE elementwise op) over each row of x [B, ...] as it is on that row alone.
+    torch's vectorised CPU loops round sigmoid, silu and softplus otherwise in a loop's tail
+    than in its body (measured: a row of a [40, L] call differs from the same row alone for L =
+    4 to 128), and which elements fall in the tail is decided by a loop's range. One call over
+    the batch gives each row its own bits where the ranges are the rows' own or split alike, on
+    one thread: rows apart in memory (a projection's slice: ATen cannot merge them and runs the
+    loop a row at a time; a row itself in runs, each its own range alone too), or contiguous rows of a multiple of every loop's step (no row has a
+    tail), or fewer elements than the smallest step (every element scalar, as alone). Else a
+    call a row. Exact ops (add, mul, rsqrt) need none of this."""
     if x.shape[0] == 1:
-        return fn(x[0])[None]
+        return fn(x)
+    key = (x.shape, x.stride())
+    whole = _WHOLE.get(key)
+    if whole is None:
+        whole = _WHOLE[key] = _one_call_is_each_row(x)
+    if whole:
+        return fn(x)
     return torch.stack([fn(row) for row in x.unbind(0)])
+
+
+_WHOLE: dict[tuple, bool] = {}  # each_row's answer by shape and strides (a few a model)
+
+
+def _one_call_is_each_row(x: torch.Tensor) -> bool:
+    rows, numel = x.shape[0], x.numel()
+    if numel >= _GRAIN:
+        return False
+    width = numel // rows
+    expected = 1  # a row one run of memory: the strides of a contiguous row
+    for size, stride in zip(reversed(x.shape[1:]), reversed(x.stride()[1:])):
+        if size != 1 and stride != expected:
+            # the loop runs over a row's own runs, the same alone and in the batch
+            return x.stride(-1) == 1 or x.shape[-1] == 1
+        expected *= size
+    return numel < _SCALAR_ONLY or x.stride(0) != width or width % _STEP == 0
 
 
 def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
                        weight: torch.Tensor) -> torch.Tensor:
-    """The GDN conv of one decode token for each of B sequences, with SiLU: x [B, C], tails[b]
-    [C, K-1] (sequence b's last K-1 inputs, updated in place), weight [C, K] fp32. Returns
-    [B, C] in x's dtype. Each row is a multiply and a sum over the K taps on its own tail
+    """The GDN conv of one decode token for each of B sequences, with SiLU: x [R, C] (R >= B;
+    rows past B pad a lone sequence to BLOCK rows), tails[b] [C, K-1] (sequence b's last K-1
+    inputs, updated in place), weight [C, K] fp32. Returns [R, C] in x's dtype, a pad row a
+    copy of row 0's. Each row is a multiply and a sum over the K taps on its own tail
     (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B."""
-    y = torch.empty(x.shape, dtype=torch.float32)
+    cols = x.unsqueeze(-1)  # [R, C, 1]
+    same = x.dtype == torch.float32
+    out = []
     for b, tail in enumerate(tails):
-        full = torch.cat([tail.to(x.dtype), x[b, :, None]], dim=1)  # [C, K]
-        torch.sum(full.float() * weight, dim=-1, out=y[b])
+        full = torch.cat([tail if tail.dtype == x.dtype else tail.to(x.dtype), cols[b]], dim=1)
+        out.append(((full if same else full.float()) * weight).sum(-1))
         tail.copy_(full[:, 1:])
-    return each_row(F.silu, y.to(x.dtype))
+    y = torch.stack(out + out[:1] * (x.shape[0] - len(tails)))
+    return each_row(F.silu, y if same else y.to(x.dtype))
 
 
 def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                decay: torch.Tensor, beta: torch.Tensor,
                                states: list[torch.Tensor]) -> torch.Tensor:
     """One decode token of the gated delta rule for each of B sequences, on prepared inputs:
-    q, k [B, Hv, dk] fp32 (L2-normalised, q scaled, heads repeated to v's), v [B, Hv, dv] fp32,
-    decay (exp of the log decay) and beta [B, Hv] fp32; states[b] [Hv, dk, dv] fp32, updated in
-    place. Returns o [B, Hv, dv] fp32. Sequence b's arithmetic is its own rows' alone."""
-    o = torch.empty(v.shape, dtype=torch.float32)
+    q, k [R, Hv, dk] fp32 (L2-normalised, q scaled, heads repeated to v's; R >= B, rows past B
+    a pad), v [R, Hv, dv] fp32, decay (exp of the log decay) and beta [R, Hv] fp32; states[b]
+    [Hv, dk, dv] fp32, updated in place. Returns o [R, Hv, dv] fp32, a pad row a copy of row
+    0's. Sequence b's arithmetic is its own rows' alone."""
+    r, h, dv = v.shape
+    # Every row's operands as the per-head [H, 1, d] and [H, d, 1] matrices bmm takes, viewed
+    # once for the batch (a view per row and operand cost as much as the arithmetic).
+    k_rows = k.unsqueeze(2)  # [R, H, 1, dk]
+    k_cols = k_rows.transpose(2, 3)  # [R, H, dk, 1]
+    q_rows, v_rows = q.unsqueeze(2), v.unsqueeze(2)
+    decay4, beta4 = decay.reshape(r, h, 1, 1), beta.reshape(r, h, 1, 1)
+    out = []
     for b, s in enumerate(states):
-        s.mul_(decay[b, :, None, None])
-        kb = k[b, :, None, :]  # [H, 1, dk]
-        delta = (v[b, :, None, :] - torch.bmm(kb, s)) * beta[b, :, None, None]  # [H, 1, dv]
-        s.baddbmm_(kb.transpose(1, 2), delta)  # s + k^T delta
-        torch.bmm(q[b, :, None, :], s, out=o[b, :, None, :])
-    return o
+        s.mul_(decay4[b])
+        kb = k_rows[b]
+        delta = (v_rows[b] - torch.bmm(kb, s)) * beta4[b]  # [H, 1, dv]
+        s.baddbmm_(k_cols[b], delta)  # s + k^T delta
+        out.append(torch.bmm(q_rows[b], s))
+    return torch.stack(out + out[:1] * (r - len(states))).view(r, h, dv)

@@ -202,6 +202,11 @@ class HybridModel:
                                                        config.rope_theta, config.rotary_dim)
         self._fused = self._fuse_projections()
         self._gain = self._decode_constants()
+        self._k = [f"layers.{i}." for i in range(len(config.layer_types))]
+        self._wt = self._decode_transposed()
+        self._eps = _scalar(config.rms_norm_eps)
+        self._l2_eps = _scalar(1e-6)  # reference.l2norm's
+        self._q_scale = _scalar(config.linear_key_head_dim ** -0.5)
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -557,11 +562,22 @@ class HybridModel:
                 out[name] = t[:, 0, :].float()
         return out
 
+    def _decode_transposed(self) -> dict[str, torch.Tensor]:
+        """Every matrix decode multiplies by, as the ``t()`` view rows_linear takes (a view a
+        call made once), by weight name and by fused projection."""
+        out = {name: t.t() for name, t in self.w.items() if t.dim() == 2}
+        out.update({key: fused.t() for key, (_, _, fused) in self._fused.items()
+                    if fused is not None})
+        return out
+
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return kernels.rows_linear(x, self.w[name], self._wt[name])
+
     def _project(self, key: str, h: torch.Tensor) -> list[torch.Tensor]:
         names, sizes, fused = self._fused[key]
-        if fused is not None:
-            return list(torch.split(kernels.rows_linear(h, fused), sizes, dim=-1))
-        return [kernels.rows_linear(h, self.w[n]) for n in names]
+        if fused is None:
+            return [self._linear(h, n) for n in names]
+        return kernels.rows_linear(h, fused, self._wt[key]).split_with_sizes(sizes, 1)
 
     def forward_batch(self, states: list[ModelState], token_ids: list[int],
                       positions: list[int]) -> torch.Tensor:
@@ -574,36 +590,68 @@ class HybridModel:
         and attention run on each sequence's own sections and rows. A sequence's logits are the
         same bits alone (forward with decode=True is this at B = 1) and at any place of any
         batch. A MoE block runs each sequence's row alone: its router and grouped experts batch
-        rows by expert, which is not invariant."""
-        c, eps = self.config, self.config.rms_norm_eps
-        x = F.embedding(torch.tensor(token_ids, dtype=torch.long), self.w["embed_tokens.weight"])
+        rows by expert, which is not invariant.
+
+        A lone sequence carries a pad row from the embedding on (its own token again), so that
+        every matmul gets its BLOCK rows as they are rather than a copy padded at each call;
+        the pad row's conv, recurrence and attention outputs are zeros (it has no state), and
+        its results are dropped. A row's bits at BLOCK rows are its own whatever the other row
+        holds, so the lone sequence's logits are those it gets in any batch."""
+        c, k = self.config, self._k
+        n = len(states)
+        embed = self.w["embed_tokens.weight"]
+        if n == 1 and 0 <= token_ids[0] < embed.shape[0]:
+            # the row and its pad, one view (x is never written in place); F.embedding refuses
+            # an id out of range, where indexing would take a negative one from the end
+            x = embed[token_ids[0]].expand(decode_ops.BLOCK, -1)
+        else:
+            ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
+            x = F.embedding(torch.tensor(ids, dtype=torch.long), embed)
+        rows = x.shape[0]
         pos = torch.tensor(positions, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
         if self.rope_scale != 1.0:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        cos, sin = cos.to(self.dtype)[:, None, :], sin.to(self.dtype)[:, None, :]
+        if rows > n:
+            cos, sin = cos.expand(rows, -1), sin.expand(rows, -1)
+        if self.dtype != torch.float32:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        # rotate_half(q) * sin as roll(q) * sin with the first half's sign moved onto sin:
+        # (-a) * b and a * (-b) are the same bits
+        half = c.rotary_dim // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        # every sequence's sections and rows by layer slot, viewed once a step
+        tails = [s.sections["gdn.conv"].unbind(0) for s in states]
+        recur = [s.sections["gdn.S"].unbind(0) for s in states]
+        keys = [s.views["K"].tensor for s in states]
+        values = [s.views["V"].tensor for s in states]
         for i, kind in enumerate(c.layer_types):
-            p = f"layers.{i}."
-            h = _rms_rows(x, self._gain[p + "input_layernorm.weight"], eps)
+            p = k[i]
+            h = _rms_rows(x, self._gain[p + "input_layernorm.weight"], self._eps)
             if kind == "linear_attention":
-                h = self._gdn_rows(i, h, states)
+                slot = self._slot[i]
+                h = self._gdn_rows(i, h, [t[slot] for t in tails], [t[slot] for t in recur])
             else:
-                h = self._attention_rows(i, h, states, positions, cos, sin)
+                h = self._attention_rows(i, h, keys, values, positions, cos, sin)
             x = x + h
-            h = _rms_rows(x, self._gain[p + "post_attention_layernorm.weight"], eps)
+            h = _rms_rows(x, self._gain[p + "post_attention_layernorm.weight"], self._eps)
             if c.is_moe_layer(i):
-                h = torch.cat([self._moe(i, h[b:b + 1]) for b in range(h.shape[0])])
+                h = torch.cat([self._moe(i, h[b:b + 1]) for b in range(n)]
+                              + ([h.new_zeros(rows - n, h.shape[1])] if rows > n else []))
             else:
                 gate, up = self._project(p + "mlp.gate_up", h)
-                h = kernels.rows_linear(each_row(F.silu, gate) * up,
-                                        self.w[p + "mlp.down_proj.weight"])
+                h = self._linear(each_row(F.silu, gate) * up, p + "mlp.down_proj.weight")
             x = x + h
-        x = _rms_rows(x, self._gain["norm.weight"], eps)
-        return kernels.rows_linear(x, self.w["lm_head.weight"]).float()
+        x = _rms_rows(x, self._gain["norm.weight"], self._eps)
+        logits = self._linear(x, "lm_head.weight")
+        logits = logits if rows == n else logits[:n]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
-    def _gdn_rows(self, i: int, h: torch.Tensor, states: list[ModelState]) -> torch.Tensor:
+    def _gdn_rows(self, i: int, h: torch.Tensor, tails: list[torch.Tensor],
+                  recur: list[torch.Tensor]) -> torch.Tensor:
         c, w, p, slot, hk, hv, dk, dv = self._gdn_dims(i)
         n = h.shape[0]
         if c.model_type == "qwen3_next":
@@ -616,28 +664,43 @@ class HybridModel:
             b, a = b.reshape(n, hv), a.reshape(n, hv)
         else:
             a, b, mixed, z = self._project(p + "in_proj", h)
-        mixed = kernels.causal_conv1d_rows(
-            mixed, [s.sections["gdn.conv"][slot] for s in states], self._gain[p + "conv1d.weight"])
-        q, k, v = torch.split(mixed.float(), [c.key_dim, c.key_dim, c.value_dim], dim=-1)
-        q, k, v = q.reshape(n, hk, dk), k.reshape(n, hk, dk), v.reshape(n, hv, dv)
+        mixed = kernels.causal_conv1d_rows(mixed, tails, self._gain[p + "conv1d.weight"])
+        if mixed.dtype != torch.float32:
+            mixed = mixed.float()
+        kd = c.key_dim
+        # reference.l2norm over q and k at once (the same per-head rows), its constants as
+        # tensors (a Python float costs a conversion a call; the same bits); heads repeated
+        # after it, which gives the same values
+        qk = mixed[:, :2 * kd].reshape(n, 2 * hk, dk)
+        qk = qk * torch.rsqrt((qk * qk).sum(dim=-1, keepdim=True) + self._l2_eps)
+        q, k = qk[:, :hk], qk[:, hk:]
         if hv != hk:
             q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
-        q = reference.l2norm(q) * dk ** -0.5
-        k = reference.l2norm(k)
-        beta = each_row(torch.sigmoid, b).float()
+        q = q * self._q_scale
+        v = mixed[:, 2 * kd:].reshape(n, hv, dv)
+        beta = each_row(torch.sigmoid, b)
+        if beta.dtype != torch.float32:
+            beta = beta.float()
         neg_a, dt_bias = self._gain[p + "A_log"], w[p + "dt_bias"]
-        decay = each_row(lambda r: (neg_a * F.softplus(r.float() + dt_bias)).exp(), a)
-        o = kernels.recurrent_gated_delta_rows(q, k, v, decay, beta,
-                                               [s.sections["gdn.S"][slot] for s in states])
+        # exp(-exp(A_log) * softplus(a + dt_bias)); each_row takes one op at a time: only the
+        # add reads a's rows where they lie
+        decay = each_row(torch.exp, neg_a * each_row(F.softplus, (a if a.dtype == torch.float32
+                                                                  else a.float()) + dt_bias))
+        o = kernels.recurrent_gated_delta_rows(q, k, v, decay, beta, recur)
         # gated_rms_norm, its silu a row at a time
-        of = o.to(self.dtype).float()
-        of = (of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + c.rms_norm_eps)).to(self.dtype)
-        o = (w[p + "norm.weight"] * of * each_row(F.silu, z.reshape(n, hv, dv).float())
-             ).to(self.dtype)
-        return kernels.rows_linear(o.reshape(n, -1), w[p + "out_proj.weight"])
+        of = o if self.dtype == torch.float32 else o.to(self.dtype).float()
+        of = of * torch.rsqrt(_mean_last(of * of).add_(self._eps))
+        if self.dtype != torch.float32:
+            of = of.to(self.dtype)
+        zf = z.reshape(n, hv, dv)
+        o = w[p + "norm.weight"] * of * each_row(F.silu, zf if zf.dtype == torch.float32
+                                                  else zf.float())
+        if o.dtype != self.dtype:
+            o = o.to(self.dtype)
+        return self._linear(o.reshape(n, -1), p + "out_proj.weight")
 
-    def _attention_rows(self, i: int, h: torch.Tensor, states: list[ModelState],
-                        positions: list[int], cos: torch.Tensor,
+    def _attention_rows(self, i: int, h: torch.Tensor, keys: list[torch.Tensor],
+                        values: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
                         sin: torch.Tensor) -> torch.Tensor:
         c, w, p = self.config, self.w, f"layers.{i}.self_attn."
         slot = self._slot[i]
@@ -647,32 +710,78 @@ class HybridModel:
         if c.attention_bias:
             k, qg, v = (t + w[f"{p}{name}.bias"] for t, name in
                         ((k, "k_proj"), (qg, "q_proj"), (v, "v_proj")))
-        q, gate = torch.chunk(qg.reshape(n, nh, 2 * hd), 2, dim=-1)
+        qg = qg.view(n, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:]
+        # a copy, as the sigmoid read it before (on its view, a head at a time, it rounds a
+        # head dim that is no multiple of the loop's step otherwise)
         gate = gate.reshape(n, nh * hd)
-        q = _rms_rows(q, self._gain[p + "q_norm.weight"], c.rms_norm_eps)
-        k = _rms_rows(k.reshape(n, nkv, hd), self._gain[p + "k_norm.weight"], c.rms_norm_eps)
+        q = _rms_rows(q, self._gain[p + "q_norm.weight"], self._eps)
+        k = _rms_rows(k.reshape(n, nkv, hd), self._gain[p + "k_norm.weight"], self._eps)
         v = v.reshape(n, nkv, hd)
-        rd = c.rotary_dim
-        q = torch.cat([q[..., :rd] * cos + rotate_half(q[..., :rd]) * sin, q[..., rd:]], dim=-1)
-        k = torch.cat([k[..., :rd] * cos + rotate_half(k[..., :rd]) * sin, k[..., rd:]], dim=-1)
-        out = torch.empty(n, nh, hd, dtype=self.dtype)
-        for b, (state, at) in enumerate(zip(states, positions)):
-            kbuf, vbuf = state.views["K"].tensor[slot], state.views["V"].tensor[slot]
+        rd, half = c.rotary_dim, c.rotary_dim // 2
+        # q, k fresh from the norms: rotated in place
+        qr, kr = q[..., :rd], k[..., :rd]
+        qr.copy_(qr * cos + qr.roll(half, -1) * sin)
+        kr.copy_(kr * cos + kr.roll(half, -1) * sin)
+        q5 = q[:, None, :, None]  # [R, 1, nh, 1, hd]: row b is SDPA's [1, nh, 1, hd]
+        scale = hd ** -0.5
+        out = []
+        for b, at in enumerate(positions):
+            kbuf, vbuf = keys[b][slot], values[b][slot]
             kbuf[:, at] = k[b]
             vbuf[:, at] = v[b]
             # A decode token sees every key of its own sequence: no mask.
-            out[b] = F.scaled_dot_product_attention(
-                q[b, None, :, None], kbuf[None, :, :at + 1], vbuf[None, :, :at + 1],
-                scale=hd ** -0.5, enable_gqa=True)[0, :, 0]
-        out = out.reshape(n, nh * hd) * each_row(torch.sigmoid, gate)
-        out = kernels.rows_linear(out, w[p + "o_proj.weight"])
+            out.append(F.scaled_dot_product_attention(
+                q5[b], kbuf[None, :, :at + 1], vbuf[None, :, :at + 1],
+                scale=scale, enable_gqa=True))
+        out = torch.stack(out + out[:1] * (n - len(positions)))  # [R, 1, nh, 1, hd]
+        out = out.view(n, nh * hd) * each_row(torch.sigmoid, gate)
+        out = self._linear(out, p + "o_proj.weight")
         return out + w[p + "o_proj.bias"] if c.attention_bias else out
 
 
-def _rms_rows(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm with its 1 + w computed once (``gain``, fp32), over the last axis of each row."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * gain).to(x.dtype)
+_SCALARS: dict[float, torch.Tensor] = {}
+
+
+def _scalar(value: float) -> torch.Tensor:
+    """``value`` as a 0-dim fp32 tensor: an op on a Python float wraps it into a tensor each
+    call (about 1 us, as much as the op on a decode row); the 0-dim tensor gives the same bits
+    on fp32 operands."""
+    t = _SCALARS.get(value)
+    if t is None:
+        t = _SCALARS[value] = torch.tensor(value, dtype=torch.float32)
+    return t
+
+
+def _mean_last(x: torch.Tensor) -> torch.Tensor:
+    """``x.mean(-1, keepdim=True)`` for fp32 x, as torch computes it on a CPU (a sum, then a
+    division by the count: the same bits) at half its cost; by a power of two the division is
+    a product by the exact reciprocal."""
+    count = x.shape[-1]
+    op, by = _DIVIDE.get(count) or _divide_by(count)
+    return op(x.sum(-1, keepdim=True), by)
+
+
+_DIVIDE: dict[int, tuple] = {}
+
+
+def _divide_by(count: int) -> tuple:
+    if count & (count - 1) == 0:
+        out = (torch.Tensor.mul_, _scalar(1.0 / count))
+    else:
+        out = (torch.Tensor.div_, _scalar(float(count)))
+    _DIVIDE[count] = out
+    return out
+
+
+def _rms_rows(x: torch.Tensor, gain: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """rms_norm with its 1 + w computed once (``gain``, fp32), over the last axis of each row;
+    ``eps`` a 0-dim fp32 tensor."""
+    xf = x if x.dtype == torch.float32 else x.float()
+    op, by = _DIVIDE.get(xf.shape[-1]) or _divide_by(xf.shape[-1])
+    # xf * xf: pow(2)'s bits
+    out = xf * torch.rsqrt(op((xf * xf).sum(-1, keepdim=True), by).add_(eps)) * gain
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
