@@ -226,8 +226,7 @@ class MemoryConfig(_Section):
 
 
 class DiskConfig(_Section):
-    """The disk tier (spec: "Disk tier"): grid chunks and anchors of repeated heads on the local
-    disk, surviving restarts."""
+    """The disk tier: repeated heads' grid chunks and anchors on the local disk (spec: "Disk tier")."""
 
     disk_cache: Annotated[Literal["off", "on"], Meta(description=(
         "The disk tier: on keeps the chunk and anchor files of prompts' repeated heads on the "
