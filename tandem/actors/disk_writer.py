@@ -151,7 +151,7 @@ class DiskWriterActor(Actor):
                     self._wake.clear()
                     await self._wake.wait()
                     continue
-                await self._run(self._jobs[0])
+                await self._write_job(self._jobs[0])
                 self._jobs.popleft()
         except asyncio.CancelledError:
             raise
@@ -163,7 +163,7 @@ class DiskWriterActor(Actor):
             except Exception:
                 pass  # stopped or full: the next message raises the fault anyway
 
-    async def _run(self, job: _Job) -> None:
+    async def _write_job(self, job: _Job) -> None:
         msg = job.msg
         plan = msg.plan
         g = plan.grid
@@ -192,8 +192,9 @@ class DiskWriterActor(Actor):
             finally:
                 await self._release(grant)
             self.counters["copied_chunks"] += 1
-            writes.append(self._on(self._io, self.tier.write_chunk, plan, line,
-                                   msg.token_ids[line - g:line], rows))
+            # submitted now, so the next chunk's copy overlaps this one's write
+            writes.append(asyncio.get_running_loop().run_in_executor(
+                self._io, self.tier.write_chunk, plan, line, msg.token_ids[line - g:line], rows))
         for w in writes:
             await w
         for line in plan.anchor_lines:
