@@ -277,3 +277,24 @@ def test_a_small_disk_keeps_the_floor_free(root, model):
     assert not report.written and not list(tier.files.entries())
     tier.configure(min_free_gb=0.0)  # a setting may not go under the start's floor
     assert tier.floor_nbytes == 10 ** 9
+
+
+def test_the_server_builds_the_tier_from_its_config_and_none_when_it_is_off(tmp_path):
+    from tandem.config import Config, DiskConfig
+    from tandem.io.tier import make_disk_tier
+    from tandem.models.third import ThirdModel
+
+    eng = engine(ThirdModel())
+    config = Config(home=str(tmp_path), disk=DiskConfig(disk_cache_gb=2.0,
+                                                        disk_cache_min_free_gb=0.0))
+    tier = make_disk_tier(config, eng)
+    assert tier.root == tmp_path / "disk" and tier.grid == GRID
+    assert tier.budget_nbytes == 2 * 10 ** 9 and tier.admission.min_tokens == 4096
+    assert (tmp_path / "disk" / "fp-equal.json").exists()
+    fp = tier.identity.fingerprint
+    tier.close()
+    again = make_disk_tier(config, eng)  # the same arithmetic: the same fingerprint
+    assert again.identity.fingerprint == fp
+    again.close()
+    assert make_disk_tier(Config(home=str(tmp_path), disk=DiskConfig(disk_cache="off")),
+                          eng) is None
