@@ -225,6 +225,37 @@ class MemoryConfig(_Section):
         "request. 0: 2 GiB, or a 16th of the ceiling when that is less."))] = 0.0
 
 
+class DiskConfig(_Section):
+    """The disk tier: repeated heads' grid chunks and anchors on the local disk (spec: "Disk tier")."""
+
+    disk_cache: Annotated[Literal["off", "on"], Meta(description=(
+        "The disk tier: on keeps the chunk and anchor files of prompts' repeated heads on the "
+        "local disk (O_DIRECT, never the page cache) and resumes later prompts from them, bit "
+        "for bit a cold prefill; off: nothing of it runs."))] = "on"
+    disk_cache_dir: Annotated[str, Meta(description=(
+        "Folder of the disk tier (mode 0700), relative to home unless absolute."))] = "disk"
+    disk_cache_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of the disk tier, GB; over it the least valuable entries go first."))] = 16.0
+    disk_cache_ttl_days: Annotated[float, Meta(gt=0, description=(
+        "Days an entry nobody used is kept on the disk."))] = 7.0
+    disk_cache_admit_after: Annotated[int, Meta(ge=1, description=(
+        "Cold reads of a grid line after which the longest such line of a prompt gets an "
+        "anchor on the disk."))] = 2
+    disk_cache_head_anchors: Annotated[int, Meta(ge=0, description=(
+        "Anchors a session's first long request gets, at the last grid lines below where its "
+        "last user message starts."))] = 4
+    disk_cache_min_tokens: Annotated[int, Meta(ge=0, description=(
+        "Prompts shorter than this write nothing to the disk tier."))] = 4096
+    disk_cache_min_free_gb: Annotated[float, Meta(ge=0, description=(
+        "Free space, GB, the disk tier leaves the file system; a write that would go under it "
+        "evicts or is skipped. A setting made at run time may raise it, never lower it."
+        ))] = 50.0
+    disk_adopt_from: Annotated[str, Meta(description=(
+        "Folders (colon-separated) a model tree moved from: the disk tier adopts the files "
+        "their earlier fingerprint wrote, when their checkpoint files hold what this tree's "
+        "hold."))] = ""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole config. Sections are tables in the TOML; knob names are unique across them."""
 
@@ -238,6 +269,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     cache: CacheConfig = msgspec.field(default_factory=CacheConfig)
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
+    disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a
@@ -254,6 +286,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def suffix_store_path(self) -> Path:
         path = Path(self.speculation.suffix_store_dir).expanduser()
+        return path if path.is_absolute() else self.home_path() / path
+
+    def disk_cache_path(self) -> Path:
+        path = Path(self.disk.disk_cache_dir).expanduser()
         return path if path.is_absolute() else self.home_path() / path
 
     def record_path(self) -> Path | None:

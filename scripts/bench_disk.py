@@ -1,0 +1,168 @@
+"""The disk tier's rates on a random checkpoint whose rows weigh what a real model's do (tens of
+KiB a token: 8 attention layers of 8 KV heads of 64, float32, 32 KiB a token), in one run:
+
+- write: ``DiskTier.write_entries`` of a head's chunks and its anchor (tmp, fsync, rename, the
+  folder's fsync; crc32 of every section), GB/s of file bytes;
+- restore: ``DiskTier.offer`` + ``restore`` through a reopened tier into a second state (every
+  file's header, token ids and crc32 checked, the rows copied into the views), against a raw
+  O_DIRECT read of the same files' bytes in the same run (the goal: 0.9 or more);
+- crc32: ``zlib.crc32`` over one chunk's bytes.
+
+The files go to a folder of their own under ``--dir`` (the real disk: tmpfs refuses O_DIRECT and
+its rates mean nothing), deleted after. The restore is checked equal to what was written.
+
+    .venv/bin/python scripts/bench_disk.py [--chunks 8] [--grid 1024] [--repeats 3] [--dir /tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from tandem.cache.copies import SectionsCopy
+from tandem.cache.namespace import SHARED
+from tandem.io.admission import Admission, DiskPlan
+from tandem.io.chain import chain_keys
+from tandem.io.direct import DirectFile, aligned, open_folder
+from tandem.io.fingerprint import Identity
+from tandem.io.tier import DiskTier, host_rows
+from tandem.models.base import CacheState
+from tandem.models.hybrid import HybridModel
+from tandem.models.tiny import TINY_CONFIG, _weights
+
+GB = 10 ** 9
+KiB = 1 << 10
+
+CONFIG = dict(
+    TINY_CONFIG, vocab_size=4096, hidden_size=128, intermediate_size=256,
+    num_hidden_layers=16, layer_types=["linear_attention", "full_attention"] * 8,
+    num_attention_heads=8, num_key_value_heads=8, head_dim=64)
+
+
+def random_checkpoint(folder: Path) -> HybridModel:
+    (folder / "config.json").write_text(json.dumps(CONFIG))
+    save_file(_weights(CONFIG), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return HybridModel.load(folder)
+
+
+def randomize(state, gen: torch.Generator) -> None:
+    for t in list(state.sections.values()) + [v.tensor for v in state.views.values()]:
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=gen, dtype=torch.float32).to(t.dtype))
+        else:
+            t.copy_(torch.randint(0, 100, t.shape, generator=gen).to(t.dtype))
+
+
+def raw_read(tier: DiskTier, entries: list[tuple[str, str]]) -> float:
+    """Seconds to read the files' bytes with O_DIRECT into one aligned buffer, nothing checked."""
+    sizes = [tier.files.path(kind, key).stat().st_size for kind, key in entries]
+    buf = aligned(max(sizes))
+    t0 = time.perf_counter()
+    for (kind, key), size in zip(entries, sizes):
+        folder = open_folder(key[:2], dir_fd=tier.files.root_fd, create=False)
+        try:
+            with DirectFile.open_read(folder, tier.files.file_name(kind, key)) as f:
+                assert f.pread_into(buf[:size], 0) == size
+        finally:
+            os.close(folder)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--grid", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dir", default="/tmp")
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    work = Path(tempfile.mkdtemp(prefix="tandem-bench-disk-", dir=args.dir))
+    try:
+        model = random_checkpoint(work)
+        g, n = args.grid, args.chunks * args.grid
+        gen = torch.Generator().manual_seed(1)
+        written = model.new_state(n + g)
+        randomize(written, gen)
+        row_nbytes = sum(v.tensor.numel() // v.tensor.shape[v.token_axis]
+                         * v.tensor.element_size() for v in written.views.values())
+        prompt = torch.randint(0, CONFIG["vocab_size"], (n + 1,), generator=gen).tolist()
+        keys = tuple(chain_keys(prompt, g, SHARED)[:args.chunks])
+        plan = DiskPlan(g, (n,), tuple(range(g, n + 1, g)), keys, (("repeated",),))
+        root = work / "disk"
+
+        def open_tier() -> DiskTier:
+            admission = Admission(None, grid=g)
+            return DiskTier(root, Identity("0f" * 32), g, admission=admission,
+                            budget_nbytes=1 << 50, floor_nbytes=0)
+
+        state = _state(written)
+        tier = open_tier()
+        rows = {line: host_rows(state.views, line - g, line) for line in plan.chunk_lines}
+        staged = {n: SectionsCopy.take(state)}
+        tier.admission.pending.update(plan.entries())
+        t0 = time.perf_counter()
+        report = tier.write_entries(plan, prompt, staged, rows)
+        write_s = time.perf_counter() - t0
+        assert not report.failed and not report.dropped, report
+        file_nbytes = report.nbytes
+        transfers = dict(tier.files.transfers)
+        tier.close()
+
+        target = model.new_state(n + g)
+        entries = [("anchor", keys[-1])] + [("chunk", k) for k in keys]
+        raws, restores = [], []
+        for _ in range(args.repeats):  # the two take turns: the disk's state is shared
+            tier = open_tier()
+            raws.append(raw_read(tier, entries))
+            offer = tier.offer(prompt, SHARED, start=0)
+            assert offer is not None and offer.line == n
+            t0 = time.perf_counter()
+            tier.restore(offer, prompt, _state(target))
+            restores.append(time.perf_counter() - t0)
+            transfers.update({k: v for k, v in tier.files.transfers.items() if k.startswith("read")})
+            tier.close()
+        for name, v in written.views.items():
+            assert torch.equal(target.views[name].rows(0, n), v.rows(0, n)), name
+        for name, t in written.sections.items():
+            assert torch.equal(target.sections[name], t), name
+
+        chunk = rows[g]
+        crc_buf = torch.cat([t.reshape(-1).view(torch.uint8) for t in chunk.tensors.values()])
+        crc_bytes = crc_buf.numpy().tobytes()
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            zlib.crc32(crc_bytes)
+        crc_s = (time.perf_counter() - t0) / args.repeats
+
+        raw_s, restore_s = statistics.median(raws), statistics.median(restores)
+        print(json.dumps({
+            "row_kib_per_token": row_nbytes / KiB,
+            "grid": g, "chunks": args.chunks, "file_gb": file_nbytes / GB,
+            "write_gb_s": file_nbytes / write_s / GB,
+            "raw_read_gb_s": file_nbytes / raw_s / GB,
+            "restore_gb_s": file_nbytes / restore_s / GB,
+            "restore_over_raw": raw_s / restore_s,
+            "crc32_gb_s": len(crc_bytes) / crc_s / GB,
+            "restore_ms": restore_s * 1000.0, "raw_ms": raw_s * 1000.0,
+            "transfers": transfers,
+        }, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _state(model_state) -> CacheState:
+    return CacheState(sections=model_state.sections, views=model_state.views)
+
+
+if __name__ == "__main__":
+    main()
