@@ -52,7 +52,7 @@ class _Job:
 
 
 class DiskWriterActor(Actor):
-    def __init__(self, name: str = "disk_writer", *, tier: DiskTier,
+    def __init__(self, name: str = "disk_writer", *, tier: "DiskTier | Callable[[], DiskTier]",
                  engine: Actor | None = None, max_ahead: int = MAX_AHEAD,
                  **actor_options: Any) -> None:
         super().__init__(name, **actor_options)
@@ -76,6 +76,12 @@ class DiskWriterActor(Actor):
         self.counters = {"jobs": 0, "copied_chunks": 0, "grants": 0, "window_drops": 0}
 
     async def on_start(self) -> None:
+        if callable(self.tier) and not isinstance(self.tier, DiskTier):
+            # The tier built after this actor was (the engine builds it on its thread, from
+            # its manifest): resolved once the actors before this one have started.
+            self.tier = self.tier()
+        if self.tier is None:
+            raise RuntimeError(f"{self.name}: no disk tier to write")
         self._copy = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}-copy")
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}-io")
         # Their copies' and crc32's OpenMP regions on these threads alone (tandem/torch_thread).

@@ -58,6 +58,7 @@ from tandem.actors.engine_messages import (
     TokenGenerated,
 )
 from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
+from tandem.actors.disk_messages import DiskJob, Fence
 from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
@@ -67,6 +68,7 @@ from tandem.actors.suffix import SuffixActor, SuffixAppend
 from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, OfferTiers, ParkOffered,
                                          PrefillPlan, ResidentOffered)
 from tandem.actors.tiers import ParkActor, ResidentActor
+from tandem.cache.copies import SectionsCopy
 from tandem.cache.drafter import LookupDrafter
 from tandem.cache.governor import MemoryGovernor, MemoryRefused
 from tandem.cache.endalign import Alignment
@@ -92,6 +94,9 @@ RECENT_DURATIONS = 32
 # The memory levels the resident and the park hold (tandem/cache/memory.py LEVELS less the store).
 TIER_LEVELS = ("prompt_end", "anchors", "end", "stash", "park", "pin")
 TIER_ASK_S = 30.0  # a tier's offer is a few microseconds of its handler; past this it is stuck
+# Tokens a second the disk offer's cost is weighed against before any prefill was measured,
+# and the shortest prefill whose rate is counted (shorter ones are mostly overhead).
+PREFILL_RATE_PRIOR, PREFILL_RATE_MIN_TOKENS = 2000.0, 512
 
 
 # The resident's counters and bytes each slot keeps of its own, summed over the slots in
@@ -184,6 +189,8 @@ class _Job:
         self.cancel = threading.Event()
         self.generated = 0
         self.view = RequestView(self.request_id, "prefill", len(self.prompt_ids))
+        self.staged: dict[int, Any] = {}  # engine thread: disk anchors' sections by line
+        self.disk_told = False  # the writer was told its job (or its plan was given back)
 
 
 @dataclass
@@ -251,6 +258,8 @@ class EngineActor(Actor):
                  tiers: tuple[ResidentActor, ParkActor] | None = None, parallel: int = 1,
                  governor_actor: Actor | None = None,
                  executor: ThreadPoolExecutor | None = None,
+                 make_disk_tier: Callable[[Engine], Any] | None = None,
+                 disk_writer: Actor | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -276,7 +285,13 @@ class EngineActor(Actor):
         ``tiers`` only). A slot's engine shares the model and is built when first placed;
         ``governor_actor`` is told the bytes of the rows every slot holds (`TierHeld`);
         ``executor``: the single-worker executor the engine's work runs on, the caller's to
-        keep (tandem.torch_thread: the thread the model was loaded on); None makes one."""
+        keep (tandem.torch_thread: the thread the model was loaded on); None makes one;
+        ``make_disk_tier`` (run on the engine thread over the first engine: its manifest and
+        grid name the files; tandem.io.tier.make_disk_tier) and ``disk_writer`` (the tier's
+        writer actor, which may be set after construction): the plan asks
+        the tier for its offer and what the prefill writes, the engine thread reads its files
+        and stages the anchors' sections, and the writer is told the job after the prefill and
+        fences it before the slot's rows are written again (None: no disk tier)."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._tiers = tiers
         if parallel < 1 or (parallel > 1 and tiers is None):
@@ -312,6 +327,12 @@ class EngineActor(Actor):
         # The slot the parked conversation was parked from (its head is in that slot's rows).
         self._park_slot: int | None = None
         self._plans: dict[str, PrefillPlan] = {}  # the running jobs', until GenerationEnded
+        self._slot_session: list[str | None] = [None] * parallel  # each slot's last session
+        # Tokens a second of recent cold prefills (the disk offer's cost is weighed by them).
+        self._prefill_rates: deque[float] = deque(maxlen=RECENT_DURATIONS)
+        self._make_disk_tier = make_disk_tier
+        self.disk_tier: Any = None  # tandem.io.tier.DiskTier, built on the engine thread
+        self.disk_writer = disk_writer
         self._last_slot = 0  # the slot the last plan placed in
         # The jobs running (admitted, in a slot), and the one whose plan is made or whose
         # prefill runs: prefills run one at a time, each's plan made when the one before it
@@ -420,6 +441,8 @@ class EngineActor(Actor):
         """On the engine thread: the engine and the caches that own copies of its state."""
         engine = self._make_engine()
         self._build_parts(0, engine)
+        if self._make_disk_tier is not None and self._make_resident is not None:
+            self.disk_tier = self._make_disk_tier(engine)
         if self._make_resident is not None:
             if self.end_align and self._tiers is None:
                 self.ends = EndRecords(
@@ -1000,10 +1023,46 @@ class EngineActor(Actor):
     # -- the loop's side of a run ------------------------------------------------------------
 
     def _prefill_over(self, job: _Job) -> None:
-        """On the loop: the job's prompt is forwarded; the next prefill may be planned."""
+        """On the loop: the job's prompt is forwarded; the next prefill may be planned, and the
+        disk writer is told what to write of it (it copies the rows out while this decodes)."""
+        self._tell_disk(job)
         if self._prefilling is job:
             self._prefilling = None
             self._pump()
+
+    def _tell_disk(self, job: _Job) -> None:
+        plan = job.plan
+        if plan is None or plan.disk_plan is None or job.disk_told:
+            return
+        job.disk_told = True
+        engine = self.engines[job.slot]
+        msg = DiskJob(job.request_id, job.slot, plan.disk_plan, dict(job.staged),
+                      engine.state.views, list((plan.served or job.prompt_ids)))
+        try:
+            self.disk_writer.try_tell(msg, sender=self)
+        except (MailboxFull, ActorStopped):
+            log.warning("disk_job_dropped", request_id=job.request_id)
+            self._drop_disk_plan(plan.disk_plan)
+
+    def _drop_disk_plan(self, plan: Any) -> None:
+        """A disk plan nothing will write: its entries go back to the admission."""
+        self.disk_tier.drop_entries(plan.entries(), list(plan.chunk_lines)
+                                    + list(plan.anchor_lines), "drop")
+
+    async def _fence(self, job: _Job, plan: PrefillPlan) -> None:
+        """On the loop, before the thread runs ``plan``: the disk writer copies no more rows
+        of the slot that the request writes over (those it had not copied are dropped)."""
+        if self.disk_writer is None:
+            return
+        base = plan.resident_offer if plan.source == "disk" else plan.start
+        from_row = base if plan.source in ("cold", "resident", "end", "prompt_end", "disk") \
+            else 0
+        try:
+            await self.disk_writer.ask(Fence(job.slot, from_row), TIER_ASK_S, sender=self)
+        except Exception as exc:
+            # A writer that cannot answer (stopping, stuck, failed) copies nothing more that
+            # this request could be cost: its jobs' unwritten entries are what is lost.
+            log.warning("disk_fence_unanswered", slot=job.slot, error=type(exc).__name__)
 
     def _finish(self, job: _Job, exc: BaseException | None, outcome: Any = None) -> None:
         """On the loop, after every token of the job was delivered (they were posted before)."""
@@ -1099,6 +1158,7 @@ class EngineActor(Actor):
             raise
         self._cache_gate.release()
         job.plan = self._plans[job.request_id] = plan
+        await self._fence(job, plan)
         if self._trace is not None:
             self._trace.record(plan, sender=self.name, receiver=f"{self.name}.thread",
                                wall_time_s=self.clock.wall_time(), handler_ms=0.0,
@@ -1171,6 +1231,11 @@ class EngineActor(Actor):
             moves = composer.moves(list(served), job.generation_params.max_tokens,
                                    job.session, namespace, resume, mine.shared,
                                    mine.continuing, rows, self._slot_taint[job.slot])
+        disk_offer, disk_plan = self._plan_disk(job, served, resume, scored)
+        if disk_offer is not None:
+            # The resident's moves put the engine at its start; the disk's files go on from
+            # there (tandem.io.tier.DiskTier.restore), on the engine thread.
+            resume = Resume(disk_offer.line, "disk")
         return build_plan(job.request_id, served, self.view.prefix_chunk, mine, theirs,
                           resume, r.holdings, p.holdings, scored=scored, moves=moves,
                           session_put=store is not None,
@@ -1178,7 +1243,44 @@ class EngineActor(Actor):
                           served_ids=None if served is prompt else list(served),
                           alignment=alignment, store_offer=store_start,
                           store_entry=planned["entry"], store_lines=dict(planned["lines"]),
-                          workspace_nbytes=workspace)
+                          workspace_nbytes=workspace, disk_offer=disk_offer,
+                          disk_plan=disk_plan)
+
+    def _plan_disk(self, job: _Job, served: Sequence[int], resume: Resume,
+                   scored: bool) -> tuple[Any, Any]:
+        """On the loop: the disk tier's offer, taken when it starts later than every tier in
+        RAM and its read costs less than the prefill it saves, and what this prefill writes
+        to it (tandem.io.admission). The offer reads above a resident grid anchor or a cold
+        start only (the rows below are the slot's own, in place); a guest, a scored prompt and
+        a prompt the store or a resident end serves write and read nothing."""
+        tier = self.disk_tier
+        if tier is None or resume.guest or scored:
+            return None, None
+        offer = None
+        if resume.source in ("cold", "resident"):
+            got = tier.offer(list(served), job.namespace, start=resume.start)
+            if got is not None and resume.start < got.line < len(served) \
+                    and got.worth(self._prefill_rate()):
+                offer = got
+            elif got is not None:
+                log.info("disk_offer_declined", request_id=job.request_id, line=got.line,
+                         start=resume.start, est_ms=round(got.est_ms, 1))
+        if resume.source in ("park", "pin", "store") or self.disk_writer is None:
+            # Rows restored from another copy: their taint is that copy's, and a snapshot's
+            # rows are never written (admission's rule); without a writer nothing is.
+            return offer, None
+        start = offer.line if offer is not None else resume.start
+        plan = tier.plan(list(served), job.namespace, start=start,
+                         taint=self._slot_taint[job.slot],
+                         first_of_session=job.session is not None
+                         and job.session not in self._slot_session,
+                         last_user_start=None, head_stop=None, from_snapshot=False)
+        return offer, (plan if plan is not None and not plan.empty else None)
+
+    def _prefill_rate(self) -> float:
+        """Tokens a second of this process's recent cold prefills (a prior before any)."""
+        return statistics.median(self._prefill_rates) if self._prefill_rates else \
+            PREFILL_RATE_PRIOR
 
     async def _admit(self, job: _Job, num_tokens: int) -> tuple[int, bool]:
         """The governor's admission of this prefill, on the loop; the workspace admitted and
@@ -1377,15 +1479,23 @@ class EngineActor(Actor):
         parked_before = resident.parked
         on_chunk = planner.on_chunk
         if plan is not None:
-            # The loop's decision, over these very holdings, for the rows served.
-            resident.decided(served, Decided(Resume(plan.start, plan.source, guest=plan.guest),
-                                             plan.shared, plan.continuing, plan.moves))
+            # The loop's decision, over these very holdings, for the rows served (with a disk
+            # offer, the resident's own resume: the files go on from its start).
+            base = (Resume(plan.start, plan.source, guest=plan.guest)
+                    if plan.disk_offer is None else
+                    Resume(plan.resident_offer, "resident" if plan.resident_offer else "cold"))
+            resident.decided(served, Decided(base, plan.shared, plan.continuing, plan.moves))
             lines = set(plan.anchor_lines)
+            staging = set(plan.disk_lines)
 
             def on_chunk(end: int) -> None:
                 planner.on_chunk(end)
                 if end in lines and end in resident.anchors:
                     self._anchor_written(job, end)
+                if end in staging:
+                    # The disk anchor's sections as the prefill passes its line (the rows stay
+                    # where the prefill wrote them until the writer copies them out).
+                    job.staged[end] = SectionsCopy.take(engine.cache_state())
         # From here the planner answers for the plan's store lease and rooms (it gives them
         # back, on a failure too); a failure before leaves them to _steps.
         job.plan_taken = True
@@ -1407,6 +1517,8 @@ class EngineActor(Actor):
                 ends.follow_park(parked_before, resume.source == "park")
             if plan is not None:
                 self._return_park(job)
+                if plan.disk_offer is not None:
+                    resume = self._restore_disk(job, plan, served, resume)
         except BaseException:
             self._abort(planner, ends)
             raise
@@ -1455,6 +1567,34 @@ class EngineActor(Actor):
             return complete(None)
         verdict = yield _AskStore(put)
         return complete(verdict)
+
+    def _restore_disk(self, job: _Job, plan: PrefillPlan, served: Sequence[int],
+                      resume: Resume) -> Resume:
+        """On the engine thread, after the resident put the engine at its start: the disk
+        tier's chunk files above it and its anchor's sections (every chunk's token ids and
+        every section's crc32 checked before a byte reaches the engine). A file that fails
+        is deleted with the longer chunks of its chain (the tier's) and the prefill goes on
+        from the resident's start, whose state is put back (its anchor, or zeros)."""
+        engine, offer = self.engine, plan.disk_offer
+        start = engine.length
+        try:
+            self.disk_tier.restore(offer, list(served), engine.cache_state())
+        except Exception as exc:
+            log.warning("disk_restore_failed", request_id=job.request_id, line=offer.line,
+                        start=start, error=type(exc).__name__)
+            state = engine.cache_state()
+            if start and start in self.resident.anchors:
+                self.resident.anchors[start].restore(state)
+                engine.resume_at(start)
+            else:
+                engine.resume_at(0)  # zeros: the cold start
+                start = 0
+            return Resume(start, "resident" if start else "cold")
+        # The rows below the resident's start keep their taint; the files' rows and the
+        # anchor's state above are a cold grid prefill's.
+        engine.resume_at(offer.line, list(served[:offer.line]))
+        self.resident.anchor_tier.take(offer.line, engine.cache_state())
+        return Resume(offer.line, "disk")
 
     def _return_park(self, job: _Job) -> None:
         """On the engine thread, once the restore is done: the pin and the park go back to
@@ -1509,6 +1649,10 @@ class EngineActor(Actor):
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
             self._slot_namespace[job.slot] = plan.resident.namespace
+            self._slot_session[job.slot] = job.session
+            if plan.disk_plan is not None and not job.disk_told:
+                job.disk_told = True
+                self._drop_disk_plan(plan.disk_plan)  # its prefill never ended
             outcome = ("finished" if not fut.cancelled() and fut.exception() is None
                        else "failed")
             if job.park is not None:
@@ -1568,6 +1712,8 @@ class EngineActor(Actor):
             outcome = fut.result()
             result = outcome.result
             self.finished_total += 1
+            if outcome.reread >= PREFILL_RATE_MIN_TOKENS and result.prefill_ms > 0:
+                self._prefill_rates.append(outcome.reread / (result.prefill_ms / 1000.0))
             self._emit(job.reply_to, GenerationFinished(
                 request_id=job.request_id, finish_reason=result.finish_reason,
                 prompt_tokens=result.prompt_tokens, completion_tokens=len(result.token_ids),
@@ -1656,7 +1802,8 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                alignment: Any = None, store_offer: int = 0, store_entry: Any = None,
                store_lines: dict[int, str] | None = None,
                workspace_nbytes: int = 0, moves: Any = None, session_put: bool = False,
-               keep_end: bool = False) -> PrefillPlan:
+               keep_end: bool = False, disk_offer: Any = None,
+               disk_plan: Any = None) -> PrefillPlan:
     """The plan for the rows ``served`` (the loop's part of a request's way; pure): ``resume``
     chosen over the resident's and the park's offers (and the store's, ``store_offer``), the
     grid lines the resident anchors as the prefill passes them (``scored``: the prompt's
@@ -1672,7 +1819,9 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                        aligned=alignment.mode if alignment is not None else None,
                        served=served_ids, alignment=alignment, store_offer=store_offer,
                        store_entry=store_entry, store_lines=store_lines or {},
-                       workspace_nbytes=workspace_nbytes, resident=resident, park=park)
+                       workspace_nbytes=workspace_nbytes, resident=resident, park=park,
+                       disk_offer=disk_offer, disk_plan=disk_plan,
+                       disk_lines=list(disk_plan.anchor_lines) if disk_plan is not None else [])
 
 
 def _engine_steps(engine: Any, prompt: Sequence[int], params: SamplingParams, **options: Any

@@ -114,8 +114,12 @@ class PrefillPlan(Message):
     # The prefix lines the prefill snapshots, each admitted by the store on the loop:
     # "reserved" (cloned at the line and inserted, or cancelled), "held" or "refused".
     store_lines: dict[int, str] = {}
-    # The lines to stage for the disk tier (empty until it exists: issue 15).
+    # The disk tier: the lines whose sections are staged as the prefill passes them, what the
+    # prefill writes (tandem.io.admission.DiskPlan) and the offer it resumes from (a
+    # tandem.io.tier.DiskOffer: the files above the resident's start; source "disk").
     disk_lines: list[int] = []
+    disk_plan: Any = None
+    disk_offer: Any = None
     session_put: bool = False  # the store is asked to admit a session snapshot after the decode
     keep_end: bool = False  # the end anchor is kept at the committed tokens (no guest)
     fences: list[Fence] = []

@@ -8,7 +8,8 @@ Sources (``usage.tandem.cache.source``):
 - ``resident``: a grid anchor; ``prompt_end``: the state at the end of the same prompt;
   ``end``: the end of the last answer; ``pin``: the head a compaction pinned; ``park``: a
   conversation parked when another came (all in the resident tier);
-- ``store``: a state store snapshot; ``response``: the response cache answered, no engine ran.
+- ``store``: a state store snapshot; ``disk``: the disk tier's chunk and anchor files (above the
+  rows in place); ``response``: the response cache answered, no engine ran.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Source = Literal["cold", "engine", "resident", "prompt_end", "end", "pin", "park", "store",
-                 "response"]
-Tier = Literal["resident", "store", "response"]
+                 "disk", "response"]
+Tier = Literal["resident", "store", "disk", "response"]
 # How a generation that ran ended (the engine's word); the routes add "tool_calls" and "error".
 FinishReason = Literal["stop", "length", "cancelled"]
 
 SOURCES: tuple[str, ...] = get_args(Source)
-_OWN_TIER = {"store": "store", "response": "response"}
+_OWN_TIER = {"store": "store", "disk": "disk", "response": "response"}
 
 
 def tier_of(source: Source) -> Tier | None:

@@ -9,6 +9,7 @@ TestServer; `tandem serve` (tandem/serve.py) with a TCPSite.
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from functools import partial
@@ -17,6 +18,8 @@ import structlog
 from aiohttp import web
 
 from tandem.actors import Actor, ActorStopped, Supervisor
+from tandem.actors.disk_messages import ClearDisk, DrainDisk, GetDiskStats
+from tandem.actors.disk_writer import DiskWriterActor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
 from tandem.actors.governor import GetMemoryReport, GovernorActor
@@ -34,12 +37,14 @@ from tandem.cache.store import StateStore, StoreCore
 from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
+from tandem.io.tier import make_disk_tier
 from tandem.server.errors import ApiError, error_middleware
-from tandem.server.guard import guard_middleware
-from tandem.server.journal import Journal
+from tandem.server.guard import admin_route, guard_middleware
+from tandem.server.journal import EventRow, Journal
 from tandem.server.keys import (
     CACHE_STATS,
     CONFIG,
+    DISK_WRITER,
     ENGINE,
     JOURNAL,
     MEMORY,
@@ -73,7 +78,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
     governor = governor_actor = None
-    suffix = store = tiers = None
+    suffix = store = tiers = disk_writer = None
     spec = config.speculation
     if engine is None:
         e = config.engine
@@ -127,7 +132,16 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
             tokenizer=loaded.tokenizer, end_align=config.cache.end_align,
             end_align_reasoning=config.cache.end_align_reasoning,
             queue_limit=config.server.queue_limit, speculation=spec.speculation,
-            draft_max=spec.draft_max, suffix=suffix, executor=engine_executor)
+            draft_max=spec.draft_max, suffix=suffix, executor=engine_executor,
+            make_disk_tier=(partial(make_disk_tier, config,
+                                    model_dir=getattr(loaded, "path", None))
+                            if caches and config.disk.disk_cache != "off" else None))
+        if caches and config.disk.disk_cache != "off":
+            # The tier is built on the engine thread from the engine's manifest; the writer
+            # takes it once the engine has started (it is added after it).
+            disk_writer = DiskWriterActor("disk_writer", tier=lambda: engine.disk_tier,
+                                          engine=engine)
+            engine.disk_writer = disk_writer
     supervisor = Supervisor()
     if suffix is not None:
         supervisor.add(suffix)  # before the engine: its drafter reads the suffix store
@@ -136,6 +150,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     for tier in tiers or ():
         supervisor.add(tier)  # before the engine, which asks them from its first request
     supervisor.add(engine)
+    if disk_writer is not None:
+        supervisor.add(disk_writer)  # after the engine, which builds its tier
     if governor is not None:
         supervisor.add(governor_actor)
     journal = Journal(config.journal_path())
@@ -181,7 +197,11 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     app[CONFIG] = config
     app[MODEL_NAME] = loaded.name
     app[SUFFIX] = suffix
-    app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix, tuple(tiers or ()))
+    app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix, tuple(tiers or ()),
+                               disk_writer)
+    app[DISK_WRITER] = disk_writer
+    if disk_writer is not None:
+        _disk_metrics(metrics, engine)
     if governor_actor is not None:
         app[MEMORY] = partial(_memory_report, governor_actor)
     app.cleanup_ctx.append(_system)
@@ -191,6 +211,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/cache/stats", cache_stats)
+    app.router.add_post("/v1/cache/clear", cache_clear)
     from tandem.server.console import add_console_routes
 
     add_console_routes(app)
@@ -247,7 +268,8 @@ async def _ask(actor: Actor, msg, what: str):
 
 
 async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
-                       suffix: SuffixActor | None, tiers: tuple[Actor, ...] = ()) -> dict:
+                       suffix: SuffixActor | None, tiers: tuple[Actor, ...] = (),
+                       disk_writer: Actor | None = None) -> dict:
     # The resident's counters as the engine actor published them on the loop after the last
     # generation (never a tier's live state, which is the engine thread's).
     doc = getattr(engine, "cache_stats", {"tiers": {}})
@@ -259,6 +281,8 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["response"] = state.response_cache.statistics()
     if suffix is not None:
         extra["suffix"] = suffix.report()
+    if disk_writer is not None:
+        extra["disk"] = (await _ask(disk_writer, GetDiskStats(), "disk tier")).stats
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
     if tiers:
@@ -284,6 +308,14 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await drain(state.engine, DRAIN_TIMEOUT_S)
+        writer = app[DISK_WRITER]
+        if writer is not None:
+            # What the last prefills admitted is written (and the counts saved) before the
+            # actors stop; a writer that cannot finish in time loses those entries only.
+            try:
+                await writer.ask(DrainDisk(), DRAIN_TIMEOUT_S, sender="server")
+            except (ActorStopped, TimeoutError) as exc:
+                log.warning("disk_drain_unfinished", error=type(exc).__name__)
         await state.supervisor.stop()
         state.journal.close()
 
@@ -322,3 +354,47 @@ async def metrics_route(request: web.Request) -> web.Response:
 
 async def cache_stats(request: web.Request) -> web.Response:
     return web.json_response(await request.app[CACHE_STATS]())
+
+
+CLEARABLE = ("disk",)  # POST /v1/cache/clear?tier=...: the tiers a clear can empty today
+
+
+@admin_route
+async def cache_clear(request: web.Request) -> web.Response:
+    """Empty a cache tier (admin): ``?tier=disk`` deletes the disk tier's files and its
+    admission counts, after the writes queued before it. The dropped counts are answered and
+    journaled."""
+    tier = request.query.get("tier", "")
+    if tier not in CLEARABLE:
+        raise ApiError(400, f"tier must be one of {', '.join(CLEARABLE)}; got {tier[:32]!r}",
+                       param="tier", code="invalid_tier")
+    writer = request.app[DISK_WRITER]
+    if writer is None:
+        raise ApiError(409, "the disk tier is off on this server", code="tier_off")
+    reply = await _ask(writer, ClearDisk(), "disk tier")
+    request.app[STATE].journal.append(EventRow(
+        kind="memory", task="disk_cache", event="clear", t=time.time(),
+        detail={k: int(v) for k, v in reply.dropped.items()}))
+    log.info("cache_cleared", tier=tier, **reply.dropped)
+    return web.json_response({"tier": tier, "dropped": reply.dropped})
+
+
+def _disk_metrics(metrics: Metrics, engine: EngineActor) -> None:
+    """The disk tier's gauges, read from its statistics when scraped (its own lock)."""
+    def read(key: str):
+        def value() -> float:
+            tier = engine.disk_tier
+            return float((tier.statistics() if tier is not None else {}).get(key, 0) or 0)
+        return value
+
+    for key, doc in (("nbytes", "Bytes the disk tier's files hold."),
+                     ("chunks", "Chunk files in the disk tier."),
+                     ("anchors", "Anchor files in the disk tier."),
+                     ("hits", "Prompts the disk tier served."),
+                     ("misses", "Prompts the disk tier was asked for and had nothing."),
+                     ("writes", "Files the disk tier wrote."),
+                     ("write_failures", "Disk tier writes that failed (nothing partial kept)."),
+                     ("failed_restores", "Disk tier reads that failed (the file deleted)."),
+                     ("evictions", "Files the disk tier evicted for its budget."),
+                     ("free_nbytes", "Free bytes on the disk tier's file system.")):
+        metrics.gauge(f"tandem_disk_cache_{key}", doc, read(key))

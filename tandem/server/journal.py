@@ -46,6 +46,17 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False)
     extra: dict | None = None
 
 
+class EventRow(msgspec.Struct, frozen=True):
+    """A row of a cache event that is no request's (``kind`` "memory"): ``task`` names the
+    cache (``disk_cache``), ``event`` what happened (``clear``), ``detail`` its counts."""
+
+    kind: str
+    task: str
+    event: str
+    t: float
+    detail: dict = {}
+
+
 class Journal:
     def __init__(self, path: Path, *, keep: int = 1000) -> None:
         """``path``: the JSONL file (created with its folder on the first row); ``keep``: rows
@@ -56,7 +67,7 @@ class Journal:
         self._encoder = msgspec.json.Encoder()
         self.rows_written = 0
 
-    def append(self, row: RequestRow) -> None:
+    def append(self, row: RequestRow | EventRow) -> None:
         # A row is a few hundred bytes: one buffered write and a flush, on the loop, is cheaper
         # than a hop to a thread. No fsync: a lost last row on a crash is acceptable.
         line = self._encoder.encode(row) + b"\n"

@@ -16,6 +16,8 @@
 - MEMORY: a coroutine function returning the memory governor actor's report (limits, held,
   levels, sheds), asked of it; absent when no governor runs.
 - SUFFIX: the suffix store actor (``report() -> dict`` for /health), or None when there is none.
+- DISK_WRITER: the disk tier's writer actor (asked for its stats and a clear), or None when the
+  tier is off.
 """
 
 from __future__ import annotations
@@ -32,3 +34,4 @@ MODEL_NAME: web.AppKey[str] = web.AppKey("model_name", str)
 CACHE_STATS: web.AppKey[Callable[[], Any]] = web.AppKey("cache_stats", object)
 MEMORY: web.AppKey[Callable[[], Any]] = web.AppKey("memory", object)
 SUFFIX: web.AppKey[Any] = web.AppKey("suffix", object)
+DISK_WRITER: web.AppKey[Any] = web.AppKey("disk_writer", object)

@@ -26,6 +26,9 @@ from tandem.models.third import ThirdModel
 
 WINDOW, CHUNK = 1024, 16
 MiB = 1 << 20
+# The test model decodes thousands of tokens a second: a probe's mailbox must hold a burst of
+# them, or the engine sees its sink full and cancels the generation (a real sink is a queue).
+PROBE_CAPACITY = 4096
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -52,7 +55,7 @@ def _system(harness: Harness, parallel: int, model=None):
 
 async def _alone(prompt: list[int], max_tokens: int) -> list[int]:
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
-    client = harness.probe("client")
+    client = harness.probe("client", mailbox_capacity=PROBE_CAPACITY)
     _system(harness, 1)
     async with harness:
         tokens, done = await run_generation(harness, client, "alone", prompt, max_tokens)
@@ -92,7 +95,7 @@ class _Recording(ThirdModel):
 
 async def test_a_decoding_slot_gets_a_step_between_every_two_chunks_of_another_prefill():
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
-    client = harness.probe("client")
+    client = harness.probe("client", mailbox_capacity=PROBE_CAPACITY)
     model = _Recording()
     actor = _system(harness, 2, model)
     long = _prompt(10 * CHUNK, 2)
@@ -125,7 +128,7 @@ async def test_three_generations_at_once_give_each_the_tokens_it_gets_alone():
     wanted = {"a": 400, "b": 300, "c": 40}  # the first two decode while the others plan
     alone = {name: await _alone(prompt, wanted[name]) for name, prompt in prompts.items()}
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
-    client = harness.probe("client")
+    client = harness.probe("client", mailbox_capacity=PROBE_CAPACITY)
     actor = _system(harness, 3)
     async with harness:
         for name, prompt in prompts.items():
@@ -148,7 +151,7 @@ async def test_three_generations_at_once_give_each_the_tokens_it_gets_alone():
 
 async def test_cancelling_one_generation_mid_batch_leaves_the_other_its_tokens_and_rows():
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
-    client = harness.probe("client")
+    client = harness.probe("client", mailbox_capacity=PROBE_CAPACITY)
     actor = _system(harness, 2)
     a, b = _prompt(30, 6), _prompt(50, 7)
     async with harness:
@@ -181,7 +184,7 @@ async def test_an_outside_holder_takes_the_lock_between_two_steps_and_holds_off_
     request behind it in line waits for it, and the paused one goes on to the tokens it gets
     alone once it releases."""
     harness = Harness(ready_timeout_s=10, stop_timeout_s=10)
-    client = harness.probe("client")
+    client = harness.probe("client", mailbox_capacity=PROBE_CAPACITY)
     copier = harness.probe("copier")
     actor = _system(harness, 2)
     a = _prompt(9, 8)

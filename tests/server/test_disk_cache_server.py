@@ -1,0 +1,119 @@
+"""The disk tier through the HTTP server (issue 15), on the small real model: a prompt read cold
+in two processes is admitted (the repeated line) and written by the disk writer while its
+request decodes; the next process resumes a prompt that extends it from the files, and answers
+with the logprobs of a cold server bit for bit (gate 1: the files hold a cold grid prefill's
+rows and state). /v1/cache/stats and /metrics report the tier; a clear behind the admin token
+empties it, and a file that does not verify is deleted and recomputed, never served."""
+
+import msgspec
+
+from tandem.config import CacheConfig, DiskConfig, SpeculationConfig
+from tandem.server.app import build_app
+from tandem.server.keys import CACHE_STATS
+
+HEAD = "You are a careful assistant who keeps a ledger of words. " * 30
+
+
+def HEAD_IDS(loaded) -> list[int]:
+    return loaded.tokenizer.encode_text(HEAD)
+
+
+def _cache(resp) -> dict:
+    return resp.usage.model_extra["tandem"]["cache"]
+
+
+def _config(make_config, **disk):
+    config = make_config(window=4096)
+    return msgspec.structs.replace(
+        config, speculation=SpeculationConfig(speculation="off"),
+        disk=DiskConfig(disk_cache_min_free_gb=0, disk_cache_min_tokens=128, **disk))
+
+
+async def _complete(server, sdk, prompt: str):
+    return await sdk(server).completions.create(model="small", prompt=prompt, max_tokens=5,
+                                                temperature=0, logprobs=3)
+
+
+async def test_a_prompt_read_cold_twice_is_written_and_a_restart_resumes_from_the_disk(
+        small_loaded, make_config, serve, sdk):
+    config = _config(make_config)
+    follow = HEAD + " Now list three more words."
+    for _ in range(2):  # two processes, each reading the head cold: its lines counted twice
+        async with serve(build_app(config, small_loaded)) as server:
+            first = await _complete(server, sdk, HEAD)
+            assert _cache(first)["source"] == "cold"
+    # The second one's writes were drained at its stop; the third finds them in the folder.
+    async with serve(build_app(config, small_loaded)) as server:
+        disk = (await server.app[CACHE_STATS]())["tiers"]["disk"]
+        assert disk["anchors"] == 1 and disk["chunks"] == len(HEAD_IDS(small_loaded)) // 64, \
+            disk
+        got = await _complete(server, sdk, follow)
+        stats = await server.app[CACHE_STATS]()
+        import aiohttp
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{server.port}/metrics") as resp:
+                metrics = await resp.text()
+    assert _cache(got)["source"] == "disk" and _cache(got)["cached"] > 0
+    assert stats["tiers"]["disk"]["hits"] == 1
+    assert "tandem_disk_cache_hits 1.0" in metrics
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        want = await _complete(server, sdk, follow)
+    assert got.choices[0].text == want.choices[0].text
+    assert got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+    assert got.choices[0].logprobs.top_logprobs == want.choices[0].logprobs.top_logprobs
+
+
+async def test_a_corrupt_file_is_deleted_and_the_prompt_recomputed_never_served(
+        small_loaded, make_config, serve, sdk):
+    config = _config(make_config)
+    for _ in range(2):
+        async with serve(build_app(config, small_loaded)) as server:
+            await _complete(server, sdk, HEAD)
+    files = [p for p in config.disk_cache_path().rglob("*") if p.is_file()
+             and p.suffix in (".chunk", ".anchor")]
+    assert files, "nothing was written"
+    for path in files:  # every file: one byte flipped in its data
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    follow = HEAD + " Now list three more words."
+    async with serve(build_app(config, small_loaded)) as server:
+        got = await _complete(server, sdk, follow)
+        stats = (await server.app[CACHE_STATS]())["tiers"]["disk"]
+    assert _cache(got)["source"] == "cold"
+    assert stats["failed_restores"] == 1
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        want = await _complete(server, sdk, follow)
+    assert got.choices[0].logprobs.token_logprobs == want.choices[0].logprobs.token_logprobs
+
+
+async def test_a_clear_behind_the_admin_token_empties_the_disk_tier(
+        small_loaded, make_config, serve, sdk):
+    import aiohttp
+
+    config = msgspec.structs.replace(_config(make_config),
+                                     server=msgspec.structs.replace(
+                                         make_config().server, admin_token="s3cret"))
+    for _ in range(2):
+        async with serve(build_app(config, small_loaded)) as server:
+            await _complete(server, sdk, HEAD)
+    async with serve(build_app(config, small_loaded)) as server:
+        url = f"http://127.0.0.1:{server.port}/v1/cache/clear"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "?tier=disk", json={}) as resp:
+                assert resp.status == 401
+            async with http.post(url + "?tier=disk", json={},
+                                 headers={"Authorization": "Bearer s3cret"}) as resp:
+                assert resp.status == 200
+                body = await resp.json()
+            async with http.post(url + "?tier=nowhere", json={},
+                                 headers={"Authorization": "Bearer s3cret"}) as resp:
+                assert resp.status == 400
+                assert (await resp.json())["error"]["param"] == "tier"
+        stats = (await server.app[CACHE_STATS]())["tiers"]["disk"]
+        got = await _complete(server, sdk, HEAD + " Now list three more words.")
+    assert body["tier"] == "disk" and body["dropped"]["files"] >= 2
+    assert stats["chunks"] == stats["anchors"] == 0
+    assert _cache(got)["source"] == "cold"
