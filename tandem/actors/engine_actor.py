@@ -175,6 +175,7 @@ class _Job:
         p = self.generation_params = msg.params
         self.reply_to = msg.reply_to
         self.session = msg.session
+        self.marks = msg.marks
         self.namespace = Namespace(msg.namespace)
         self.max_reasoning_tokens = p.max_reasoning_tokens
         self.forced_ids = p.forced_ids
@@ -327,7 +328,6 @@ class EngineActor(Actor):
         # The slot the parked conversation was parked from (its head is in that slot's rows).
         self._park_slot: int | None = None
         self._plans: dict[str, PrefillPlan] = {}  # the running jobs', until GenerationEnded
-        self._slot_session: list[str | None] = [None] * parallel  # each slot's last session
         # Tokens a second of recent cold prefills (the disk offer's cost is weighed by them).
         self._prefill_rates: deque[float] = deque(maxlen=RECENT_DURATIONS)
         self._make_disk_tier = make_disk_tier
@@ -1270,11 +1270,15 @@ class EngineActor(Actor):
             # rows are never written (admission's rule); without a writer nothing is.
             return offer, None
         start = offer.line if offer is not None else resume.start
+        marks = job.marks
+        # A chat prompt says where its parts start (the route's PromptMarks); rows the end
+        # alignment put back shift nothing below the end anchor, where the head lies.
         plan = tier.plan(list(served), job.namespace, start=start,
                          taint=self._slot_taint[job.slot],
-                         first_of_session=job.session is not None
-                         and job.session not in self._slot_session,
-                         last_user_start=None, head_stop=None, from_snapshot=False)
+                         first_of_session=marks is not None and marks.first_of_session,
+                         last_user_start=marks.last_user_start if marks is not None else None,
+                         head_stop=marks.head_stop if marks is not None else None,
+                         from_snapshot=False)
         return offer, (plan if plan is not None and not plan.empty else None)
 
     def _prefill_rate(self) -> float:
@@ -1649,7 +1653,6 @@ class EngineActor(Actor):
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
             self._slot_namespace[job.slot] = plan.resident.namespace
-            self._slot_session[job.slot] = job.session
             if plan.disk_plan is not None and not job.disk_told:
                 job.disk_told = True
                 self._drop_disk_plan(plan.disk_plan)  # its prefill never ended

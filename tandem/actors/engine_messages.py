@@ -51,6 +51,17 @@ class GenerationParams(msgspec.Struct, frozen=True):
 # -- generation ------------------------------------------------------------------------------
 
 
+class PromptMarks(msgspec.Struct, frozen=True):
+    """Where a chat prompt's parts start, for what the disk tier writes of its head
+    (tandem.io.admission): ``first_of_session``: its conversation holds no answer yet;
+    ``last_user_start``: the token its last user message starts at; ``head_stop``: the token
+    the conversation's first answer starts at (None: it holds none)."""
+
+    first_of_session: bool = False
+    last_user_start: int | None = None
+    head_stop: int | None = None
+
+
 class Generate(Message):
     """Sender: the server (asks). Receiver: the engine, which queues the request behind the
     capture lock's FIFO and answers `GenerationAccepted` or `GenerationRejected` at once.
@@ -65,6 +76,7 @@ class Generate(Message):
     # for none): only copies of the same namespace serve it, and it never writes the suffix
     # store unless it is the shared one.
     namespace: str = ""
+    marks: PromptMarks | None = None  # a chat prompt's parts (None: a text prompt)
 
 
 class GenerationAccepted(Message):

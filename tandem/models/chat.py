@@ -223,6 +223,18 @@ def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
                          **render).encode(tokenizer)
 
 
+def turn_starts(ids: Sequence[int], tokenizer: Any, role: str) -> list[int]:
+    """The token indices where the template opens a turn of ``role`` in a chat prompt's ids:
+    each ``<|im_start|>`` special token followed by the role's tokens. A client's text cannot
+    make one: its control-token text is encoded as text (ChatPrompt.encode)."""
+    start = tokenizer.special_ids.get("<|im_start|>")
+    if start is None:
+        return []
+    name = list(tokenizer.encode_text(role))
+    n = len(name)
+    return [i for i, t in enumerate(ids) if t == start and list(ids[i + 1:i + 1 + n]) == name]
+
+
 def opens_reasoning(prompt_text: str) -> bool:
     """Whether a rendered prompt ends with an open ``<think>`` (whitespace after it aside)."""
     return prompt_text.rstrip().endswith(THINK_OPEN)

@@ -31,6 +31,7 @@ from tandem.actors.engine_messages import (
     GenerationStarted,
     PrefillAdmitted,
     PromptLogprobs,
+    PromptMarks,
     TokenGenerated,
 )
 from tandem.cache.namespace import namespace_of
@@ -134,8 +135,10 @@ def _advance(s: str, fail: list[int], state: int, text: str) -> int:
 class Run:
     def __init__(self, state: ServerState, request: web.Request, *, route: str, request_id: str,
                  prompt_ids: list[int], params: GenerationParams, stops: list[str],
-                 session: str | None, arrived_s: float, cache_salt: str | None = None) -> None:
+                 session: str | None, arrived_s: float, cache_salt: str | None = None,
+                 marks: PromptMarks | None = None) -> None:
         self.state = state
+        self.marks = marks  # a chat prompt's parts, for the disk tier's head
         self.request = request
         self.route = route
         self.request_id = request_id
@@ -210,7 +213,7 @@ class Run:
         if self._answer_from_memory():
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
-                       session=self.session, namespace=self.namespace)
+                       session=self.session, namespace=self.namespace, marks=self.marks)
         try:
             reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
         except TimeoutError:

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from tandem.actors.engine_messages import GenerationParams
+from tandem.actors.engine_messages import GenerationParams, PromptMarks
 from tandem.models.chat import (
     ChatError,
     ContentDelta,
@@ -30,6 +30,7 @@ from tandem.models.chat import (
     parse_output,
     render_prompt,
     template_info,
+    turn_starts,
 )
 from tandem.server.body import read_json
 from tandem.server.errors import ApiError, bad_request
@@ -192,7 +193,8 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
         ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
                       arrived_s=ctx.arrived_s,
-                      cache_salt=req.salt(ctx.state.config.cache.require_cache_salt))
+                      cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
+                      marks=extra.get("marks"))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
@@ -262,7 +264,21 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
         params = msgspec.structs.replace(params, max_reasoning_tokens=0)
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
-    return req, prompt_ids, params, stops, {"thinking": thinking, "tools": req.tools}
+    return req, prompt_ids, params, stops, {"thinking": thinking, "tools": req.tools,
+                                            "marks": _marks(state, req, prompt_ids)}
+
+
+def _marks(state: ServerState, req: ChatCompletionRequest, ids: list[int]) -> PromptMarks:
+    """Where the conversation's parts start in its prompt ids (the disk tier writes a new
+    session's head up to its last user message, and shares only the head before the first
+    answer)."""
+    users = turn_starts(ids, state.tokenizer, "user")
+    last_user = users[-1] if users else None
+    answers = [i for i in turn_starts(ids, state.tokenizer, "assistant")
+               if last_user is not None and i < last_user]
+    first = not any(isinstance(m, dict) and m.get("role") == "assistant" for m in req.messages)
+    return PromptMarks(first_of_session=first, last_user_start=last_user,
+                       head_stop=answers[0] if answers else None)
 
 
 def _chat_ids(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:

@@ -117,3 +117,33 @@ async def test_a_clear_behind_the_admin_token_empties_the_disk_tier(
     assert body["tier"] == "disk" and body["dropped"]["files"] >= 2
     assert stats["chunks"] == stats["anchors"] == 0
     assert _cache(got)["source"] == "cold"
+
+
+async def test_a_new_sessions_first_chat_writes_its_head_and_another_session_after_a_restart_reads_it(
+        small_loaded, make_config, serve, sdk):
+    """A session's first long request writes anchors at the last lines below where its last
+    user message starts (the head: the system text), read cold once; after a restart a new
+    session with the same head resumes there from the disk, as a cold server answers."""
+    config = _config(make_config)
+    system = {"role": "system", "content": HEAD}
+
+    async def chat(server, user, session):
+        return await sdk(server).chat.completions.create(
+            model="small", messages=[system, {"role": "user", "content": user}], max_tokens=5,
+            temperature=0, logprobs=True, top_logprobs=2,
+            extra_headers={"x-session-id": session})
+
+    async with serve(build_app(config, small_loaded)) as server:
+        first = await chat(server, "Which words are in the ledger?", "one")
+    assert _cache(first)["source"] == "cold"
+    async with serve(build_app(config, small_loaded)) as server:
+        disk = (await server.app[CACHE_STATS]())["tiers"]["disk"]
+        assert disk["anchors"] >= 1, disk
+        got = await chat(server, "Name a word that is not in it.", "two")
+    assert _cache(got)["source"] == "disk"
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        want = await chat(server, "Name a word that is not in it.", "two")
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert [t.logprob for t in got.choices[0].logprobs.content] == \
+        [t.logprob for t in want.choices[0].logprobs.content]
