@@ -147,3 +147,45 @@ async def test_a_new_sessions_first_chat_writes_its_head_and_another_session_aft
     assert got.choices[0].message.content == want.choices[0].message.content
     assert [t.logprob for t in got.choices[0].logprobs.content] == \
         [t.logprob for t in want.choices[0].logprobs.content]
+
+
+async def test_two_folders_a_deploy_then_a_third_session_and_a_new_folder_resume_from_the_disk(
+        small_loaded, make_config, serve, sdk):
+    """The spec's two folders: sessions in folders A and B share a long head (the tools and the
+    system text before the folder's path), then differ. Their first requests write their heads
+    (the four lines below the user turn, all in the folder's text here), and B's, the second
+    cold read of the shared lines, the last of them: the line where the two went on differently
+    (tandem/io/admission.py: the repeated line and the branch rule both name it here; its unit
+    tests hold each rule alone). After a deploy (a restart), a third session in A resumes at
+    A's head, and a fourth in a new folder C at the shared line, each answering as a cold
+    server does (logprobs bit for bit)."""
+    config = _config(make_config)
+    shared = HEAD  # about six grid lines of the test's 64-row grid
+
+    def system(folder: str) -> dict:
+        return {"role": "system",
+                "content": shared + f" The working folder is /home/dev/{folder}. " * 40}
+
+    async def chat(server, folder, user, session):
+        return await sdk(server).chat.completions.create(
+            model="small", messages=[system(folder), {"role": "user", "content": user}],
+            max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+            extra_headers={"x-session-id": session})
+
+    async with serve(build_app(config, small_loaded)) as server:
+        await chat(server, "ledger", "List the files.", "a")
+        await chat(server, "weather", "List the files.", "b")
+    async with serve(build_app(config, small_loaded)) as server:  # the deploy
+        third = await chat(server, "ledger", "Count the words.", "c")
+        fourth = await chat(server, "garden", "Count the words.", "d")
+    assert _cache(third)["source"] == "disk" and _cache(fourth)["source"] == "disk"
+    # The folder's text is longer than the four head lines a session writes: only the shared
+    # line, where A and B went on differently, lies in the head the fourth shares.
+    assert _cache(fourth)["cached"] < _cache(third)["cached"]
+    assert _cache(fourth)["cached"] <= len(HEAD_IDS(small_loaded)) + 8
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False))
+    async with serve(build_app(cold, small_loaded)) as server:
+        for got, folder in ((third, "ledger"), (fourth, "garden")):
+            want = await chat(server, folder, "Count the words.", "x")
+            assert [t.logprob for t in got.choices[0].logprobs.content] == \
+                [t.logprob for t in want.choices[0].logprobs.content], folder
