@@ -1,6 +1,7 @@
 """The console's disk panel in headless Chromium, drawn from a /v1/cache/stats document's
 tiers.disk (DiskTier.statistics() and the writer's queue): free space, the hit rate, the bytes
-against the budget, the most-hit prefixes by their token count, the last events newest first."""
+against the budget, the most-hit prefixes by their token count, the last events newest first;
+and the journal part of /v1/actors, whose request rows the tier's event rows never push out."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 from console_fakes import FakeCacheStats, FakeEngine, FakeJournal, build_system, console_app
 from test_console_browser import CHROMIUM, chromium, serve
 
+from aiohttp.test_utils import TestClient, TestServer
+
 from tandem.actors import SystemClock
 from tandem.actors.harness import Harness
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (/usr/bin/chromium)")
+needs_chromium = pytest.mark.skipif(CHROMIUM is None,
+                                    reason="no chromium binary (/usr/bin/chromium)")
 
 GiB = 1 << 30
 DISK: dict[str, Any] = {  # shaped like DiskTier.statistics() plus the writer's fields
@@ -70,6 +74,7 @@ PANEL = """(() => {
 })()"""
 
 
+@needs_chromium
 async def test_the_disk_panel_renders_free_space_hit_rate_bytes_prefixes_and_events(tmp_path):
     harness = Harness(clock=SystemClock())
     build_system(harness)
@@ -116,3 +121,19 @@ async def test_the_disk_panel_renders_free_space_hit_rate_bytes_prefixes_and_eve
                 '[...document.querySelectorAll("#cache section.tier")].map((t) => t.dataset.tier)'
             ) == ["resident"]
             assert page.exceptions == []
+
+
+async def test_the_disk_tiers_journal_rows_never_push_the_requests_out_of_the_console():
+    harness = Harness()
+    build_system(harness)
+    journal = FakeJournal()  # 25 request rows (no kind: as older rows were written)
+    journal.rows += [{"kind": "memory", "task": "disk_cache", "event": "write", "t": 1.0 + i,
+                      "detail": {"tokens": 64 * i, "key": "dddddddddddd"}} for i in range(300)]
+    async with harness:
+        client = TestClient(TestServer(console_app(harness, journal=journal), host="127.0.0.1"))
+        await client.start_server()
+        try:
+            doc = await (await client.get("/v1/actors")).json()
+        finally:
+            await client.close()
+    assert [row["request_id"] for row in doc["journal"]] == [f"req-{i}" for i in range(5, 25)]
