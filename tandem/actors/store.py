@@ -119,6 +119,16 @@ class StoreShedDone(Message):
     freed: int
 
 
+class ClearStore(Message):
+    """Sender: the server (POST /v1/cache/clear?tier=all, behind the admin token). Receiver:
+    the store, which drops every entry the engine does not hold on lease (a leased one stays,
+    to go by the usual eviction once it is back). Replies `StoreCleared`."""
+
+
+class StoreCleared(Message):
+    dropped: dict[str, int]  # entries, nbytes; leased: entries kept because they were lent
+
+
 class GetStoreStats(Message):
     """Sender: the engine thread (the cache stats it publishes). Replies `StoreStats`."""
 
@@ -189,6 +199,12 @@ class StoreActor(Actor):
                 core.decline(msg.reason, msg.who, msg.conversation, msg.detail)
             case StoreShed():
                 return StoreShedDone(core.shed(msg.nbytes))
+            case ClearStore():
+                entries, held = len(core), core.memory.held["store"]
+                core.clear()
+                return StoreCleared({"entries": entries - len(core),
+                                     "nbytes": held - core.memory.held["store"],
+                                     "leased": len(core)})
             case GetStoreStats():
                 return StoreStatsReport(core.statistics())
             case CheckStoreInvariants(alone=alone):

@@ -51,6 +51,7 @@ log = structlog.get_logger("tandem.disk")
 GB = 10 ** 9
 COUNTS_FILE = "admission.counts"
 EVENTS = 20  # the last events the console shows
+UNJOURNALED = 4096  # events held for drain_events between two calls, at most (oldest go first)
 TOP_PREFIXES = 8
 # Rates before the first measurement: a slow NVMe's (the box's reads 7.35 GB/s, writes 4.3).
 PRIOR_READ_BPS = 1.0 * GB
@@ -157,6 +158,7 @@ class DiskTier:
         self._monotonic = monotonic
         self._free = free_nbytes or _free_nbytes
         self._lock = threading.Lock()
+        self._unjournaled: deque[dict[str, Any]] = deque(maxlen=UNJOURNALED)
         self.index, self.scanned = scan(self.files, identity, grid)
         self.usage = TierUsage()
         seed_from_files(self.usage, self.files, self.index)
@@ -543,14 +545,27 @@ class DiskTier:
     # -- helpers ---------------------------------------------------------------------------
 
     def _event(self, kind: EventKind, tokens: int, key: str) -> None:
-        self.events.append({"t": self._wall(), "event": kind, "tokens": tokens,
-                            "key": key[:12]})
+        event = {"t": self._wall(), "event": kind, "tokens": tokens, "key": key[:12]}
+        self.events.append(event)
+        self._unjournaled.append(event)
 
     def _entry_nbytes(self, entry: Entry) -> int:
         kind, key = entry
         held = self.index.chunks if kind == "chunk" else self.index.anchors
         e = held.get(key)
         return e.nbytes if e is not None else 0
+
+    # -- the journal -----------------------------------------------------------------------
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        """The events since the last call, oldest first, for the server to journal on the loop
+        (they happen on the engine thread and the writer's). Each is the ``last_events`` dict:
+        t, event, tokens, a key's first 12 hex digits; no token id, no text. At most
+        ``UNJOURNALED`` are held between two calls."""
+        with self._lock:
+            events = list(self._unjournaled)
+            self._unjournaled.clear()
+        return events
 
 
 def _mean(old: float, new: float) -> float:

@@ -23,7 +23,7 @@ from tandem.actors.disk_writer import DiskWriterActor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import Drain, EngineDrained
 from tandem.actors.governor import GetMemoryReport, GovernorActor
-from tandem.actors.store import GetStoreStats, StoreActor
+from tandem.actors.store import ClearStore, GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
 from tandem.actors.tier_messages import GetTierStats
 from tandem.actors.tiers import ParkActor, ResidentActor
@@ -38,6 +38,8 @@ from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
 from tandem.io.tier import make_disk_tier
+from tandem.server.disk_routes import (add_disk_routes, journal_disk_events,
+                                       journal_disk_events_every)
 from tandem.server.errors import ApiError, error_middleware
 from tandem.server.guard import admin_route, guard_middleware
 from tandem.server.journal import EventRow, Journal
@@ -208,6 +210,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
 
     add_openai_routes(app)
     add_memory_routes(app)
+    add_disk_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/cache/stats", cache_stats)
@@ -304,11 +307,15 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
     """Start the actors with the app; on shutdown drain the engine, then stop them."""
     state = app[STATE]
     await state.supervisor.start()
+    writer = app[DISK_WRITER]
+    if writer is not None:
+        # The tier's events reach the journal from the loop (they happen on other threads).
+        state.supervisor.spawn(journal_disk_events_every(writer.tier, state.journal),
+                               name="disk_journal")
     try:
         yield
     finally:
         await drain(state.engine, DRAIN_TIMEOUT_S)
-        writer = app[DISK_WRITER]
         if writer is not None:
             # What the last prefills admitted is written (and the counts saved) before the
             # actors stop; a writer that cannot finish in time loses those entries only.
@@ -316,6 +323,7 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
                 await writer.ask(DrainDisk(), DRAIN_TIMEOUT_S, sender="server")
             except (ActorStopped, TimeoutError) as exc:
                 log.warning("disk_drain_unfinished", error=type(exc).__name__)
+            journal_disk_events(writer.tier, state.journal)
         await state.supervisor.stop()
         state.journal.close()
 
@@ -356,27 +364,54 @@ async def cache_stats(request: web.Request) -> web.Response:
     return web.json_response(await request.app[CACHE_STATS]())
 
 
-CLEARABLE = ("disk",)  # POST /v1/cache/clear?tier=...: the tiers a clear can empty today
+CLEARABLE = ("disk", "all")  # POST /v1/cache/clear?tier=...
+# What ``all`` leaves: the resident prefix (the slots' anchors, ends, pinned heads, a guest's
+# stash) and the park are lent to the engine thread and cleared only by its own evictions; the
+# suffix store is the drafter's token history, no prompt cache.
+KEPT_BY_ALL = ("resident", "park", "suffix")
 
 
 @admin_route
 async def cache_clear(request: web.Request) -> web.Response:
-    """Empty a cache tier (admin): ``?tier=disk`` deletes the disk tier's files and its
-    admission counts, after the writes queued before it. The dropped counts are answered and
-    journaled."""
+    """Empty cache tiers (admin). ``?tier=disk``: the disk tier's files and its admission
+    counts, after the writes queued before it (409 when the tier is off). ``?tier=all``: the
+    disk tier (when on), the state store (every entry not lent to a restore under way) and the
+    response cache; the answer names the tiers ``cleared``, those ``kept`` (KEPT_BY_ALL, where
+    they run) and the counts ``dropped`` of each, and each clear is journaled."""
     tier = request.query.get("tier", "")
     if tier not in CLEARABLE:
         raise ApiError(400, f"tier must be one of {', '.join(CLEARABLE)}; got {tier[:32]!r}",
                        param="tier", code="invalid_tier")
-    writer = request.app[DISK_WRITER]
-    if writer is None:
+    app = request.app
+    state = app[STATE]
+    writer = app[DISK_WRITER]
+    if tier == "disk" and writer is None:
         raise ApiError(409, "the disk tier is off on this server", code="tier_off")
-    reply = await _ask(writer, ClearDisk(), "disk tier")
-    request.app[STATE].journal.append(EventRow(
-        kind="memory", task="disk_cache", event="clear", t=time.time(),
-        detail={k: int(v) for k, v in reply.dropped.items()}))
-    log.info("cache_cleared", tier=tier, **reply.dropped)
-    return web.json_response({"tier": tier, "dropped": reply.dropped})
+    dropped: dict[str, dict[str, int]] = {}
+    if writer is not None:
+        reply = await _ask(writer, ClearDisk(), "disk tier")
+        journal_disk_events(writer.tier, state.journal)  # the events before the clear first
+        dropped["disk"] = {k: int(v) for k, v in reply.dropped.items()}
+    if tier == "all":
+        store = app[SUPERVISOR].actors.get("store")
+        if store is not None:
+            dropped["store"] = dict((await _ask(store, ClearStore(), "state store")).dropped)
+        cache = state.response_cache
+        if cache is not None:
+            entries, nbytes = cache.statistics()["entries"], cache.nbytes
+            cache.clear()
+            dropped["response"] = {"entries": entries, "nbytes": nbytes}
+    tasks = {"disk": "disk_cache", "store": "store", "response": "response_cache"}
+    for name, counts in dropped.items():
+        state.journal.append(EventRow(kind="memory", task=tasks[name], event="clear",
+                                      t=time.time(), detail=counts))
+        log.info("cache_cleared", tier=name, **counts)
+    if tier == "disk":
+        return web.json_response({"tier": tier, "cleared": ["disk"], "dropped": dropped["disk"]})
+    running = app[SUPERVISOR].actors  # the resident, park and suffix actors where they run
+    return web.json_response({"tier": tier, "cleared": list(dropped),
+                              "kept": [name for name in KEPT_BY_ALL if name in running],
+                              "dropped": dropped})
 
 
 def _disk_metrics(metrics: Metrics, engine: EngineActor) -> None:

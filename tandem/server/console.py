@@ -9,7 +9,9 @@ polls /v1/actors about twice a second. The document:
                   in each of "last_messages", "ago_s" on the actor's own clock],
       "graph":   {"nodes": [GraphNode...], "edges": [GraphEdge...]} or null,
       "engine":  app[ENGINE].snapshot() or null,
-      "journal": app[JOURNAL].tail(20) (newest last) or null,
+      "journal": the last 20 request rows of app[JOURNAL].tail (newest last) or null: the
+                 cache events (kind "memory", the disk tier's by the hundred) are left out,
+                 the disk panel shows the tier's last ones,
       "cache":   await app[CACHE_STATS]() ({"tiers": {name: {counters}}}) or null,
       "memory":  await app[MEMORY]() (the governor's report: limits, held, levels, sheds) or null,
       "errors":  {part: exception type name} for the parts whose source raised,
@@ -43,6 +45,7 @@ log = structlog.get_logger("tandem.console")
 
 CONSOLE_HTML = Path(__file__).parent / "static" / "console.html"
 JOURNAL_ROWS = 20
+JOURNAL_SCAN = 1000  # rows looked through for the last request rows (the journal keeps 1000)
 
 
 class RateMeter:
@@ -114,12 +117,17 @@ async def console_document(app: web.Application) -> dict[str, Any]:
         "engine": None if engine is None else await _read(errors, "engine", engine.snapshot),
         "journal": (
             None if journal is None
-            else await _read(errors, "journal", lambda: journal.tail(JOURNAL_ROWS))
+            else await _read(errors, "journal", lambda: _request_rows(journal))
         ),
         "cache": None if cache_stats is None else await _read(errors, "cache", cache_stats),
         "memory": None if memory is None else await _read(errors, "memory", memory),
         "errors": errors,
     }
+
+
+def _request_rows(journal: Any) -> list[dict[str, Any]]:
+    rows = [row for row in journal.tail(JOURNAL_SCAN) if row.get("kind", "request") == "request"]
+    return rows[-JOURNAL_ROWS:]
 
 
 def _actor_rows(app: web.Application, supervisor: Any) -> list[dict[str, Any]]:
