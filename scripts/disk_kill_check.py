@@ -13,8 +13,8 @@ prefill before forking: what the writer is handed.
 
 The child is stepped: every file-system call it makes (open, mkdir, fchmod, pwrite, write, fsync,
 rename, unlink, close) announces itself on a pipe and waits for a go. The driver picks a target
-(inside a tier file's write, inside the counts file's write, inside the start's scan, or any
-moment), lets a random number of the target's calls pass and kills the child with SIGKILL,
+(inside a tier file's write, just before its rename, inside the counts file's write, inside
+the start's scan, or any moment), lets a random number of the target's calls pass and kills the child with SIGKILL,
 either while it waits before the next call or, for "drift", after letting it run free for a
 random sub-delay of up to a few milliseconds (then the kill lands anywhere: in a transfer, in the
 crc32, between two calls).
@@ -80,10 +80,9 @@ FP = "5e" * 32
 COUNTS = "admission.counts"
 TMP = ".tmp"
 HOOKED = ("open", "mkdir", "fchmod", "pwrite", "write", "fsync", "rename", "unlink", "close")
-TARGETS = ("write", "counts", "start", "drift")
 # How often each target is drawn, and how many of its calls may pass before the kill.
-TARGET_WEIGHTS = {"write": 6, "counts": 1, "start": 1, "drift": 2}
-SKIP_MAX = {"write": 160, "counts": 9, "start": 40, "drift": 240}
+TARGET_WEIGHTS = {"write": 5, "rename": 1, "counts": 1, "start": 1, "drift": 2}
+SKIP_MAX = {"write": 160, "rename": 12, "counts": 9, "start": 40, "drift": 240}
 DRIFT_MAX_S = 0.004
 MAX_CALLS = 20_000  # a target never reached: killed anyway, counted as "missed"
 CHILD_TIMEOUT_S = 30.0
@@ -196,9 +195,12 @@ def _forced_plan(p: Prompt, rng: random.Random) -> DiskPlan:
 
 
 def _child(root: Path, ref: Reference, seed: int, budget_nbytes: int, shm: mmap.mmap,
-           ctl_r: int, ann_w: int, err_path: Path) -> None:
+           ctl_r: int, ann_w: int, err_path: Path,
+           writer_fault: Callable[[], None] | None) -> None:
     """Never returns: writes until killed (or exits 3 with its traceback at ``err_path``)."""
     try:
+        if writer_fault is not None:
+            writer_fault()
         torch.set_num_threads(1)  # forked after the parent's threads: stay on this one
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
@@ -290,6 +292,7 @@ class Summary:
     logits_gates: int = 0
     unusable_anchors: int = 0
     evictions_seen: bool = False
+    runs_evicting: int = 0
     failures: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -306,7 +309,8 @@ class Summary:
             f"entries verified {self.chunks_verified + self.anchors_verified} "
             f"(chunks {self.chunks_verified}, anchors {self.anchors_verified}); restores "
             f"{self.restores}, logits gates {self.logits_gates}; anchors left without a chunk "
-            f"(after evictions) {self.unusable_anchors}",
+            f"(after evictions) {self.unusable_anchors}; runs whose writer evicted "
+            f"{self.runs_evicting}",
             f"failures {len(self.failures)}",
             *[f"  FAIL {f}" for f in self.failures[:40]],
             f"{self.seconds:.1f} s",
@@ -328,7 +332,8 @@ def _wait_tag(fd: int, pid: int) -> bytes:
 
 
 def kill_one(root: Path, ref: Reference, rng: random.Random, summary: Summary,
-             target: str | None = None) -> str:
+             target: str | None = None,
+             writer_fault: Callable[[], None] | None = None) -> str:
     """Fork a writer over ``root``, kill it at a point of ``target`` (drawn when None); the
     target. Raises when the child failed on its own."""
     target = target or rng.choices(list(TARGET_WEIGHTS), list(TARGET_WEIGHTS.values()))[0]
@@ -347,7 +352,7 @@ def kill_one(root: Path, ref: Reference, rng: random.Random, summary: Summary,
     if pid == 0:
         os.close(ctl_w)
         os.close(ann_r)
-        _child(root, ref, seed, budget, shm, ctl_r, ann_w, err_path)
+        _child(root, ref, seed, budget, shm, ctl_r, ann_w, err_path, writer_fault)
     os.close(ctl_r)
     os.close(ann_w)
     killed_before: str | None = None
@@ -362,6 +367,7 @@ def kill_one(root: Path, ref: Reference, rng: random.Random, summary: Summary,
             calls += 1
             at = shm[_PHASE]
             hit = {"write": at == WRITE, "counts": at == COUNTS_WRITE, "start": at == START,
+                   "rename": at == WRITE and HOOKED[shm[_OP]] == "rename",
                    "drift": started}[target]
             if hit or calls >= MAX_CALLS:
                 if not hit:
@@ -399,6 +405,7 @@ def kill_one(root: Path, ref: Reference, rng: random.Random, summary: Summary,
     if killed_before is not None:
         summary.before_call[killed_before] += 1
     summary.evictions_seen |= bool(shm[_EVICTED])
+    summary.runs_evicting += shm[_EVICTED]
     shm.close()
     return target
 
@@ -512,9 +519,11 @@ def load_model(kind: str, scratch: Path):
 
 def run_check(root: Path, runs: int, seed: int, model, *,
               targets: list[str] | None = None,
-              progress: Callable[[int, Summary], None] | None = None) -> Summary:
+              progress: Callable[[int, Summary], None] | None = None,
+              writer_fault: Callable[[], None] | None = None) -> Summary:
     """``runs`` kills over the folder ``root`` (created), each followed by the check.
-    ``targets``: cycled instead of drawn (a test's fixed coverage)."""
+    ``targets``: cycled instead of drawn (a test's fixed coverage). ``writer_fault``: called in
+    each child before it writes (a test's broken writer, which the check must catch)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     ref = make_reference(model)
@@ -524,7 +533,7 @@ def run_check(root: Path, runs: int, seed: int, model, *,
         target = targets[run % len(targets)] if targets else None
         summary.runs += 1
         try:
-            target = kill_one(root, ref, rng, summary, target)
+            target = kill_one(root, ref, rng, summary, target, writer_fault)
         except RuntimeError as exc:
             summary.failures.append(f"run {run} (seed {seed}): {exc}")
             continue
