@@ -14,10 +14,10 @@ prefill before forking: what the writer is handed.
 The child is stepped: every file-system call it makes (open, mkdir, fchmod, pwrite, write, fsync,
 rename, unlink, close) announces itself on a pipe and waits for a go. The driver picks a target
 (inside a tier file's write, just before its rename, inside the counts file's write, inside
-the start's scan, or any moment), lets a random number of the target's calls pass and kills the child with SIGKILL,
-either while it waits before the next call or, for "drift", after letting it run free for a
-random sub-delay of up to a few milliseconds (then the kill lands anywhere: in a transfer, in the
-crc32, between two calls).
+the start's scan, or any moment), lets a random number of the target's calls pass and kills the
+child with SIGKILL, either while it waits before the next call or, for "drift", after letting it
+run free for a random sub-delay of up to a few milliseconds (then the kill lands anywhere: in a
+transfer, in the crc32, between two calls).
 
 After each kill the driver checks, before and after opening a new tier over the folder:
 
@@ -68,7 +68,7 @@ from tandem.cache.namespace import SHARED, Namespace, namespace_of  # noqa: E402
 from tandem.engine import Engine  # noqa: E402
 from tandem.io import admission as admission_module  # noqa: E402
 from tandem.io import tier as tier_module  # noqa: E402
-from tandem.io.admission import Admission, DiskPlan, decode_counts, CountsError  # noqa: E402
+from tandem.io.admission import Admission, CountsError, DiskPlan, decode_counts  # noqa: E402
 from tandem.io.chain import Key, chain_keys  # noqa: E402
 from tandem.io.fingerprint import Identity  # noqa: E402
 from tandem.io.tier import DiskTier, HostRows, _file_nbytes, host_rows  # noqa: E402

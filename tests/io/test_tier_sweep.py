@@ -19,11 +19,9 @@ import torch
 
 from tandem.cache.namespace import SHARED, namespace_of
 from tandem.engine import Engine
-from tandem.io.admission import Admission
 from tandem.io.chain import chain_keys
 from tandem.io.direct import ALIGN
-from tandem.io.fingerprint import Identity
-from tandem.io.tier import DiskReadFailed, DiskTier
+from tandem.io.tier import DiskReadFailed
 from tandem.io.tierfile import (CorruptFile, ForeignFile, MissingFile, TierFileError, TierFiles,
                                 TruncatedFile, VersionMismatch)
 from tandem.models.third import ThirdModel
