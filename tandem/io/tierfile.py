@@ -557,14 +557,25 @@ class TierFiles:
                         yield kind, Key(name[:-len(suffix)])
 
     def leftovers(self) -> list[str]:
-        return [f"{sub}/{name}" for sub, names in self._listing() for name in names
-                if name.endswith(TMP)]
+        """Every ``.tmp`` a crash left: a file's (``sub/name``) or, in the root, the counts
+        file's or a record's (``name``)."""
+        return ([name for name in sorted(os.listdir(self.root_fd)) if name.endswith(TMP)]
+                + [f"{sub}/{name}" for sub, names in self._listing() for name in names
+                   if name.endswith(TMP)])
 
     def remove_leftovers(self) -> int:
         """Delete every ``.tmp`` (a write a crash cut short) and every symlink where a fan-out
         folder should be. The count of what went."""
         gone = 0
         for entry in self.leftovers():
+            if "/" not in entry:  # in the root: no writer runs while a start scans
+                try:
+                    os.unlink(entry, dir_fd=self.root_fd)
+                    fsync_folder(self.root_fd)
+                    gone += 1
+                except (FileNotFoundError, IsADirectoryError):
+                    pass
+                continue
             sub, name = entry.split("/")
             folder = self._folder(sub, create=False)
             try:
