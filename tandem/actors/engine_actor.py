@@ -38,7 +38,9 @@ import structlog
 import torch
 
 from tandem.actors.engine_messages import (
+    CachesCleared,
     CancelGeneration,
+    ClearCaches,
     CaptureLockGranted,
     Drain,
     DrainStarted,
@@ -65,8 +67,8 @@ from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.store import StoreAdmit, StoreHolds, StoreOffer, StoreShed
 from tandem.actors.suffix import SuffixActor, SuffixAppend
-from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, OfferTiers, ParkOffered,
-                                         PrefillPlan, ResidentOffered)
+from tandem.actors.tier_messages import (AnchorWritten, ClearHoldings, GenerationEnded,
+                                         OfferTiers, ParkOffered, PrefillPlan, ResidentOffered)
 from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.drafter import LookupDrafter
@@ -678,6 +680,8 @@ class EngineActor(Actor):
                 self._cancel(request_id)
             case Drain(reply_to=reply_to):
                 return self._drain(reply_to)
+            case ClearCaches():
+                return await self._clear_caches()
             case RequestCaptureLock(holder=holder, reply_to=reply_to):
                 self._lock.enqueue(_Outside(holder, reply_to, next(self._grant_ids)))
                 self._pump()
@@ -694,6 +698,48 @@ class EngineActor(Actor):
             case _:
                 raise TypeError(f"{self.name} does not handle {type(msg).__name__}")
         return None
+
+    async def _clear_caches(self) -> CachesCleared:
+        """The resident's and the park's copies dropped and every slot's rows emptied, while
+        nothing runs or waits (the handler holds the mailbox meanwhile: no request starts)."""
+        if self._tiers is None or self._jobs or self._lock.holder is not None:
+            return CachesCleared(busy=self._tiers is not None,
+                                 retry_after_s=self.retry_after_estimate())
+        dropped: dict[str, int] = {}
+        for tier in self._tiers:
+            reply = await tier.ask(ClearHoldings(), TIER_ASK_S, sender=self)
+            if reply.busy:
+                return CachesCleared(busy=True, retry_after_s=self.retry_after_estimate())
+            dropped[f"{tier.name}_nbytes"] = reply.nbytes
+        dropped["rows"] = sum(len(rows) for rows in self._slot_rows)
+        await self._on_thread(self._empty_slots)
+        for i in range(self.parallel):
+            self._slot_rows[i], self._slot_taint[i] = [], None
+            self._slot_namespace[i] = SHARED
+            self._slot_backed[i] = 0
+        self._park_slot = None
+        self.view = msgspec.structs.replace(self.view, rows_in_place=0, taint=None)
+        # What each slot holds now (its counters stay: they count what happened).
+        empty = {"rows_in_place": 0, "anchors": [], "anchor_bytes": 0, "end": None,
+                 "prompt_end": None, "prompt_end_bytes": 0, "taint": None, "stash_bytes": 0,
+                 "pinned": None, "pinned_anchors": [], "pin_bytes": 0, "parked": None,
+                 "park_bytes": 0}
+        self._park_stats.update({k: v for k, v in empty.items() if k in self._park_stats})
+        for i, stats in enumerate(self._slot_stats):
+            if stats is not None:
+                self._set_cache_stats({"tiers": {"resident": dict(stats, **empty)}}, i)
+        self._report_slots()
+        log.info("engine_caches_cleared", **dropped)
+        return CachesCleared(dropped=dropped)
+
+    def _empty_slots(self) -> None:
+        """On the engine thread: every built slot at length 0, its rows' pages given back."""
+        for i, engine in enumerate(self.engines):
+            if engine is None:
+                continue
+            engine.reset()
+            release_rows(engine.state, 0)
+            self._thread_backed[i] = 0
 
     def _accept(self, msg: Generate) -> GenerationAccepted | GenerationRejected:
         if self._draining:

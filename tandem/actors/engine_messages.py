@@ -79,6 +79,18 @@ class Generate(Message):
     marks: PromptMarks | None = None  # a chat prompt's parts (None: a text prompt)
 
 
+class ClearCaches(Message):
+    """Sender: the server (POST /v1/cache/clear?tier=all). Receiver: the engine, which, when
+    no generation runs or waits, has the resident and the park drop every copy and puts every
+    slot's rows back to empty; answers `CachesCleared` (``busy`` otherwise: nothing dropped)."""
+
+
+class CachesCleared(Message):
+    busy: bool = False
+    retry_after_s: float = 0.0
+    dropped: dict[str, int] = {}  # resident_nbytes, park_nbytes, rows (the slots' rows in place)
+
+
 class GenerationAccepted(Message):
     """Reply to `Generate`: queued (0 ahead: it runs now, or once an outside holder of the
     capture lock lets go); `waiting_ahead`: generations that wait before it."""

@@ -128,6 +128,17 @@ class PrefillPlan(Message):
     park: Any = None  # the lent ParkHoldings
 
 
+class ClearHoldings(Message):
+    """Sender: the engine actor (a clear of the caches, while no generation runs). Receiver: a
+    tier actor, which drops every copy it holds and answers `HoldingsCleared` (``busy`` when
+    its holdings are lent: nothing is dropped)."""
+
+
+class HoldingsCleared(Message):
+    busy: bool = False
+    nbytes: int = 0  # the bytes the copies held
+
+
 class AnchorWritten(Message):
     """Sender: the engine thread, as its prefill writes the anchor at ``line`` into the lent
     holdings. Receiver: the resident (a tell: the thread never waits on it)."""

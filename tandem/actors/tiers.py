@@ -22,8 +22,9 @@ from tandem.actors.messages import Message
 from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.runtime import Actor, ActorStopped
-from tandem.actors.tier_messages import (AnchorWritten, GenerationEnded, GetTierStats,
-                                         OfferTiers, ParkOffered, ResidentOffered, TierStats)
+from tandem.actors.tier_messages import (AnchorWritten, ClearHoldings, GenerationEnded,
+                                         GetTierStats, HoldingsCleared, OfferTiers,
+                                         ParkOffered, ResidentOffered, TierStats)
 from tandem.cache.memory import Share, check_shares
 from tandem.cache.namespace import Namespace
 from tandem.cache.slots import SlotFacts, place
@@ -82,6 +83,8 @@ class _Lender(Actor):
                 self._take_back(msg)
             case AnchorWritten():
                 self.anchors_written += 1
+            case ClearHoldings():
+                return self._clear()
             case GetTierStats():
                 stats = self._stats if self.lent_to is not None else self._statistics()
                 return TierStats(dict(stats, lent_total=self.lent_total,
@@ -92,6 +95,20 @@ class _Lender(Actor):
 
     def _offer(self, msg: OfferTiers) -> Message:
         raise NotImplementedError
+
+    def _clear(self) -> HoldingsCleared:
+        if self.lent_to is not None:
+            return HoldingsCleared(busy=True)
+        held = sum(self._stats["held_bytes"].values())
+        for holdings in self._all_holdings():
+            holdings.clear()
+        self._stats = self._statistics()
+        self._report_held()
+        log.info("tier_cleared", tier=self.name, nbytes=held)
+        return HoldingsCleared(nbytes=held)
+
+    def _all_holdings(self) -> list[Any]:
+        return [self.holdings]
 
     def _check(self, rows: list[int]) -> None:
         raise NotImplementedError
@@ -146,6 +163,9 @@ class ResidentActor(_Lender):
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
                                offer.continuing, offer.decisive, holdings.namespace, holdings,
                                slot=placed.slot, placed=placed.why)
+
+    def _all_holdings(self) -> list[Any]:
+        return list(self.slots)
 
     def _take_back(self, msg: GenerationEnded) -> None:
         slot = next((i for i, held in enumerate(self.slots) if held is msg.holdings), None)

@@ -186,3 +186,8 @@ class EndRecords:
     def forget(self) -> None:
         """A failed forward: the rows in place are not trusted, nor what recorded them."""
         self.record = self.parked_record = None
+
+    def clear(self) -> None:
+        """A clear of the caches: no record of an end, parked or recent, stays."""
+        self.forget()
+        self.recent.clear()

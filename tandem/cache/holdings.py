@@ -90,6 +90,18 @@ class ResidentHoldings:
     # The end records (tandem/cache/endrecords.py) beside the ends, when copies are aligned.
     records: object = None
 
+    def clear(self) -> None:
+        """Every copy goes and its memory back (a clear of the caches; nothing is lent):
+        the anchors, the end and prompt-end anchors with their buffers, the stash, the end
+        records, and whose the rows are."""
+        self.anchors.drop_above(0)
+        self.ends.release_end()
+        self.ends.release_prompt_end()
+        self.stash.drop()
+        if self.records is not None:
+            self.records.clear()
+        self.session, self.namespace = None, SHARED
+
     def check_invariants(self, token_ids: list[int]) -> None:
         self.anchors.check_invariants(len(token_ids))
         self.ends.check_invariants(token_ids, self.stash.active)
@@ -102,6 +114,11 @@ class ParkHoldings:
 
     pin: Pin
     park: Park
+
+    def clear(self) -> None:
+        """The pinned head and the parked conversation go, and their memory back."""
+        self.park.drop()
+        self.pin.drop()
 
     def check_invariants(self) -> None:
         self.pin.check_invariants()

@@ -21,7 +21,7 @@ from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.disk_messages import ClearDisk, DrainDisk, GetDiskStats
 from tandem.actors.disk_writer import DiskWriterActor
 from tandem.actors.engine_actor import EngineActor
-from tandem.actors.engine_messages import Drain, EngineDrained
+from tandem.actors.engine_messages import ClearCaches, Drain, EngineDrained
 from tandem.actors.governor import GetMemoryReport, GovernorActor
 from tandem.actors.store import ClearStore, GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
@@ -363,12 +363,9 @@ async def metrics_route(request: web.Request) -> web.Response:
 async def cache_stats(request: web.Request) -> web.Response:
     return web.json_response(await request.app[CACHE_STATS]())
 
-
 CLEARABLE = ("disk", "all")  # POST /v1/cache/clear?tier=...
-# What ``all`` leaves: the resident prefix (the slots' anchors, ends, pinned heads, a guest's
-# stash) and the park are lent to the engine thread and cleared only by its own evictions; the
-# suffix store is the drafter's token history, no prompt cache.
-KEPT_BY_ALL = ("resident", "park", "suffix")
+# What ``all`` leaves: the suffix store is the drafter's token history, no prompt cache.
+KEPT_BY_ALL = ("suffix",)
 
 
 @admin_route
@@ -388,6 +385,15 @@ async def cache_clear(request: web.Request) -> web.Response:
     if tier == "disk" and writer is None:
         raise ApiError(409, "the disk tier is off on this server", code="tier_off")
     dropped: dict[str, dict[str, int]] = {}
+    if tier == "all":
+        engine = state.engine
+        reply = await _ask(engine, ClearCaches(), "engine")
+        if reply.busy:
+            raise ApiError(409, "requests are running; the caches in RAM are cleared only "
+                           "while none runs", code="engine_busy",
+                           retry_after_s=reply.retry_after_s)
+        if reply.dropped:
+            dropped["resident"] = dict(reply.dropped)
     if writer is not None:
         reply = await _ask(writer, ClearDisk(), "disk tier")
         journal_disk_events(writer.tier, state.journal)  # the events before the clear first
@@ -401,7 +407,8 @@ async def cache_clear(request: web.Request) -> web.Response:
             entries, nbytes = cache.statistics()["entries"], cache.nbytes
             cache.clear()
             dropped["response"] = {"entries": entries, "nbytes": nbytes}
-    tasks = {"disk": "disk_cache", "store": "store", "response": "response_cache"}
+    tasks = {"disk": "disk_cache", "store": "store", "response": "response_cache",
+             "resident": "resident"}
     for name, counts in dropped.items():
         state.journal.append(EventRow(kind="memory", task=tasks[name], event="clear",
                                       t=time.time(), detail=counts))

@@ -15,7 +15,7 @@ import msgspec
 from tandem.actors.disk_messages import DrainDisk
 from tandem.config import CacheConfig, DiskConfig, SpeculationConfig
 from tandem.server.app import build_app
-from tandem.server.keys import CACHE_STATS, DISK_WRITER, JOURNAL
+from tandem.server.keys import CACHE_STATS, DISK_WRITER, ENGINE, JOURNAL
 
 HEAD = "You are a careful assistant who keeps a ledger of words. " * 30
 OTHER = "Every morning the harbour master counts the boats and the gulls. " * 26
@@ -176,11 +176,18 @@ async def test_a_clear_of_all_empties_the_disk_the_store_and_the_response_cache(
         assert status == 200, body
         after = (await server.app[CACHE_STATS]())["tiers"]
         clears = [r for r in server.app[JOURNAL].tail(1000) if r.get("event") == "clear"]
-        # Nothing left to resume from but the RAM tiers the engine thread holds.
+        owners = (await server.app[CACHE_STATS]())["owners"]
+        # Nothing left to resume from: the same prompt runs cold.
         got = await _complete(server, sdk, HEAD)
         after_request = (await server.app[CACHE_STATS]())["tiers"]["response"]
-    assert body["tier"] == "all" and body["cleared"] == ["disk", "store", "response"]
-    assert body["kept"] == ["resident", "park"]
+    assert body["tier"] == "all"
+    assert body["cleared"] == ["resident", "disk", "store", "response"]
+    assert body["kept"] == []
+    assert body["dropped"]["resident"]["rows"] > 0
+    assert body["dropped"]["resident"]["resident_nbytes"] > 0
+    assert owners["resident"]["anchors"] == [] and owners["resident"]["end"] is None
+    assert all(s["rows_in_place"] == 0 for s in after["resident"]["slots"] if s is not None)
+    assert _source(got) == "cold"
     assert body["dropped"]["disk"]["files"] == tiers["disk"]["chunks"] + 1
     assert body["dropped"]["store"]["entries"] == tiers["store"]["entries"]
     assert body["dropped"]["response"]["entries"] == 1
@@ -188,10 +195,9 @@ async def test_a_clear_of_all_empties_the_disk_the_store_and_the_response_cache(
     assert after["store"]["entries"] == 0 and after["store"]["bytes"] == 0
     assert after["response"]["entries"] == 0 and after["response"]["bytes"] == 0
     assert [(r["task"], r["detail"]) for r in clears] == [
-        ("disk_cache", body["dropped"]["disk"]), ("store", body["dropped"]["store"]),
-        ("response_cache", body["dropped"]["response"])]
+        ("resident", body["dropped"]["resident"]), ("disk_cache", body["dropped"]["disk"]),
+        ("store", body["dropped"]["store"]), ("response_cache", body["dropped"]["response"])]
     assert after_request["hits"] == 1  # the same request again went to the engine
-    assert _source(got) != "disk"
 
 
 async def test_a_clear_of_all_without_a_disk_tier_clears_the_rest_and_disk_is_a_409(
@@ -200,8 +206,28 @@ async def test_a_clear_of_all_without_a_disk_tier_clears_the_rest_and_disk_is_a_
     async with serve(build_app(config, small_loaded)) as server:
         status, body = await _call(server, "POST", "/v1/cache/clear?tier=all", {})
         assert status == 200, body
-        assert body["cleared"] == ["store"] and body["dropped"]["store"]["entries"] == 0
+        assert body["cleared"] == ["resident", "store"]
+        assert body["dropped"]["store"]["entries"] == 0
         status, body = await _call(server, "POST", "/v1/cache/clear?tier=disk", {})
         assert status == 409 and body["error"]["code"] == "tier_off"
         status, body = await _call(server, "GET", "/v1/cache/disk/settings")
         assert status == 409 and body["error"]["code"] == "tier_off"
+
+
+async def test_a_clear_of_all_while_a_request_runs_is_a_409_that_drops_nothing(
+        small_loaded, make_config, serve, sdk):
+    import asyncio
+
+    config = _config(make_config, admin_token="s3cret")
+    async with serve(build_app(config, small_loaded)) as server:
+        await _complete(server, sdk, HEAD)
+        running = asyncio.create_task(sdk(server).completions.create(
+            model="small", prompt=OTHER, max_tokens=300, temperature=0))
+        engine = server.app[ENGINE]
+        while not engine.snapshot()["requests"]:
+            await asyncio.sleep(0.01)
+        status, body = await _call(server, "POST", "/v1/cache/clear?tier=all", {}, ADMIN)
+        await running
+        owners = (await server.app[CACHE_STATS]())["owners"]
+    assert status == 409 and body["error"]["code"] == "engine_busy"
+    assert owners["resident"]["anchors"], "the clear dropped copies while refusing"
