@@ -254,6 +254,11 @@ class DiskConfig(_Section):
         "Folders (colon-separated) a model tree moved from: the disk tier adopts the files "
         "their earlier fingerprint wrote, when their checkpoint files hold what this tree's "
         "hold."))] = ""
+    disk_write_budget_gb: Annotated[float, Meta(ge=0, le=1e6, description=(
+        "GB the disk tier and the session spill may write in a local day (writes.json beside "
+        "the tier, kept across restarts). From it the tier plans nothing and the spill writes "
+        "only a planned stop's drain and evictions of conversations of 32,768 tokens or more; "
+        "from 1.5 times it, only the drain."))] = 200.0
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

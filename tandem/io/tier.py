@@ -44,6 +44,7 @@ from tandem.io.eviction import (BUDGET_NBYTES, DAY_S, FREE_FLOOR_NBYTES, TTL_S, 
 from tandem.io.fingerprint import FingerprintInputs, Identity, tier_identity
 from tandem.io.tierfile import MissingFile, TierFileError, TierFiles
 from tandem.io.tierindex import AnchorEntry, ChunkEntry, TierIndex, scan
+from tandem.io.write_guard import WriteGuard, make_write_guard
 from tandem.models.base import CacheState, View
 
 log = structlog.get_logger("tandem.disk")
@@ -141,7 +142,9 @@ class DiskTier:
                  mode: Mode = "on", direct: bool = True,
                  wall: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.perf_counter,
-                 free_nbytes: Callable[[Path], int] | None = None):
+                 free_nbytes: Callable[[Path], int] | None = None,
+                 guard: WriteGuard | None = None):
+        """``guard``: the day's write budget (shared with the spill); None writes unguarded."""
         if admission.grid != grid:
             raise ValueError("the admission counts another grid")
         self.root = Path(root)
@@ -157,6 +160,7 @@ class DiskTier:
         self._wall = wall
         self._monotonic = monotonic
         self._free = free_nbytes or _free_nbytes
+        self.guard = guard
         self._lock = threading.Lock()
         self._unjournaled: deque[dict[str, Any]] = deque(maxlen=UNJOURNALED)
         self.index, self.scanned = scan(self.files, identity, grid)
@@ -172,6 +176,8 @@ class DiskTier:
                          "window_drops": 0, "drops": 0, "clears": 0}
 
     def close(self) -> None:
+        if self.guard is not None:
+            self.guard.save()
         self.files.close()
 
     # -- settings --------------------------------------------------------------------------
@@ -202,14 +208,24 @@ class DiskTier:
              taint: int | None, first_of_session: bool = False,
              last_user_start: int | None = None, head_stop: int | None = None,
              from_snapshot: bool = False) -> DiskPlan:
-        """What this prefill writes (empty when the tier is off)."""
+        """What this prefill writes (empty when the tier is off, or when the day's write
+        budget is spent: the lines are still counted, so the next day admits them)."""
         with self._lock:
             if self.mode == "off":
                 return DiskPlan(self.grid)
-            return self.admission.decide(
+            plan = self.admission.decide(
                 prompt_ids, namespace, start=start, taint=taint, on_disk=self.index,
                 first_of_session=first_of_session, last_user_start=last_user_start,
                 head_stop=head_stop, from_snapshot=from_snapshot)
+            if plan.empty or self.guard is None:
+                return plan
+            level = self.guard.level()
+            if level == "ok":
+                return plan
+            # Never written, never failed: the entries leave the pending set unreported.
+            self.admission.pending.difference_update(plan.entries())
+        self.guard.skipped("tier", level, tokens=len(prompt_ids))
+        return DiskPlan(self.grid)
 
     def offer(self, prompt_ids: Sequence[int], namespace: Namespace, *,
               start: int) -> DiskOffer | None:
@@ -395,7 +411,7 @@ class DiskTier:
                 report.failed.append(entry)
         with self._lock:
             report.nbytes = sum(self._entry_nbytes(e) for e in report.written)
-        self.save_counts()
+        self.save_counts(guard=False)
         return report
 
     def _make_room(self, plan: DiskPlan, entry: Entry, nbytes: int, line: int) -> bool:
@@ -459,9 +475,15 @@ class DiskTier:
             self.counters["writes"] += 1
             self.counters["written_nbytes"] += nbytes
             self._event("write", line, key)
+        if self.guard is not None:
+            self.guard.add(nbytes, "tier")
 
-    def save_counts(self) -> bool:
-        """Persist the admission's counts when they changed (off the request's path)."""
+    def save_counts(self, *, guard: bool = True) -> bool:
+        """Persist the admission's counts when they changed (off the request's path), and with
+        ``guard`` the write guard's count (between two, the guard saves itself once a second at
+        most)."""
+        if guard and self.guard is not None:
+            self.guard.save()
         with self._lock:
             if not self.admission.dirty or self.admission.path is None:
                 return True
@@ -613,4 +635,5 @@ def make_disk_tier(config: Any, engine: Any, *, model_dir: str | os.PathLike | N
     return DiskTier(root, identity, grid, admission=admission,
                     budget_nbytes=int(d.disk_cache_gb * GB),
                     ttl_s=d.disk_cache_ttl_days * DAY_S,
-                    floor_nbytes=int(d.disk_cache_min_free_gb * GB))
+                    floor_nbytes=int(d.disk_cache_min_free_gb * GB),
+                    guard=make_write_guard(config))

@@ -352,6 +352,10 @@ async def health(request: web.Request) -> web.Response:
     suffix = request.app[SUFFIX]
     if suffix is not None:
         body["suffix_store"] = suffix.report()  # rebuild_ms_total and rebuild_ms_last with it
+    tier = getattr(request.app[ENGINE], "disk_tier", None)
+    guard = getattr(tier, "guard", None)
+    if guard is not None:  # the day's write budget (its own lock; nothing asked of an actor)
+        body.setdefault("cache", {})["disk_writes"] = guard.report()
     return web.json_response(body)
 
 

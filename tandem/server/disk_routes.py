@@ -135,7 +135,12 @@ def journal_disk_events(tier: DiskTier, journal: Journal) -> int:
     for e in events:
         journal.append(EventRow(kind="memory", task="disk_cache", event=e["event"], t=e["t"],
                                 detail={"tokens": int(e["tokens"]), "key": e["key"]}))
-    return len(events)
+    guard = getattr(tier, "guard", None)
+    skips = guard.drain_events() if guard is not None else []
+    for e in skips:  # the write guard's skips, the tier's and the spill's
+        journal.append(EventRow(kind="memory", task="disk_guard", event=e["event"], t=e["t"],
+                                detail={k: v for k, v in e.items() if k not in ("event", "t")}))
+    return len(events) + len(skips)
 
 
 async def journal_disk_events_every(tier: DiskTier, journal: Journal,
