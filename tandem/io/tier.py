@@ -6,7 +6,8 @@ files, and the three things done with them (spec: "Disk tier").
   serves): the longest usable anchor above the rows in place, read and checked before a byte of
   each file reaches the engine. The engine thread reads each file whole, in one transfer, into
   host buffers the tier keeps (``Staging``); one checker thread sums it and copies it in while
-  the next is read, so the restore runs at about the disk's rate;
+  the next is read (the last file's work shared with the engine thread, nothing being left to
+  read), so the restore runs at about the disk's rate;
 - ``write_chunk`` / ``write_anchor`` / ``drop_entries`` (the disk writer's thread): the files a
   plan named, room made by value first, every outcome reported to the admission once.
 
@@ -46,7 +47,8 @@ from tandem.io.direct import ALIGN, round_up
 from tandem.io.eviction import (BUDGET_NBYTES, DAY_S, FREE_FLOOR_NBYTES, TTL_S, TierUsage,
                                 room_for, seed_from_files)
 from tandem.io.fingerprint import FingerprintInputs, Identity, tier_identity
-from tandem.io.tierfile import Loaded, MissingFile, Staging, TierFileError, TierFiles
+from tandem.io.tierfile import (Loaded, MissingFile, Section, Staging, TierFileError,
+                                TierFiles)
 from tandem.io.tierindex import AnchorEntry, ChunkEntry, TierIndex, scan
 from tandem.models.base import CacheState, View
 
@@ -332,8 +334,11 @@ class DiskTier:
                 except TierFileError as exc:
                     failure = exc
                     break
-                checks.append(checker.submit(self._commit_rows, chunk, prompt_ids[a:a + g],
-                                             state, max(a, offer.start), a + g))
+                rows = (chunk, prompt_ids[a:a + g], state, max(a, offer.start), a + g)
+                if i + 1 < offer.first_chunk + len(offer.chunk_keys_to_read):
+                    checks.append(checker.submit(self._commit_rows, *rows))
+                else:  # nothing left to read: this thread takes half of the last one's work
+                    checks.append(self._commit_shared(checker, *rows))
         finally:
             wait(checks)
         for c in checks:  # in read order: the first that failed is the lowest
@@ -359,6 +364,51 @@ class DiskTier:
                                rows[name].narrow(v.token_axis, start - a, stop - start))
         finally:
             self._staging.give([chunk.buf])
+
+    def _commit_shared(self, checker: ThreadPoolExecutor, chunk: Loaded,
+                       token_ids: Sequence[int], state: CacheState, start: int,
+                       stop: int) -> Future:
+        """``_commit_rows`` on the checker and this thread at once, each summing half the
+        sections and then, once all passed, copying half the views: the restore's tail (the
+        work after the last read) halved. A done future either way, as the checker's are."""
+        sections = chunk.header.sections
+        names = list(state.views)
+        mine, theirs = sections[len(sections) // 2:], sections[:len(sections) // 2]
+        a = chunk.header.start
+        src = chunk.tensors()
+
+        def check(part: Sequence[Section]) -> None:
+            for s in part:
+                chunk.check(s, token_ids)
+
+        def copy(part: Sequence[str]) -> None:
+            with torch.inference_mode():
+                for name in part:
+                    v = state.views[name]
+                    _copy_into(v.rows(start, stop),
+                               src[name].narrow(v.token_axis, start - a, stop - start))
+
+        done: Future = Future()
+        try:
+            try:
+                other = checker.submit(check, theirs)
+                check(mine)
+            finally:
+                wait([other])
+            other.result()
+            other = checker.submit(copy, names[:len(names) // 2])
+            try:
+                copy(names[len(names) // 2:])
+            finally:
+                wait([other])
+            other.result()
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+        finally:
+            self._staging.give([chunk.buf])
+        return done
 
     def _checker(self) -> ThreadPoolExecutor:
         """The thread that verifies restores' files beside their reads. One: with two, each

@@ -325,13 +325,15 @@ def test_a_restore_reads_each_file_in_one_transfer_into_buffers_the_next_one_reu
     assert len(reads) == 5 and allocated == []  # the staging's buffers, no fresh pages
 
 
+@pytest.mark.parametrize("offset", [5000, -1])  # the last file's first section, its last one
 def test_a_failed_restore_leaves_the_state_at_its_length_as_it_was_and_nothing_in_flight(
-        root, model):
+        root, model, offset):
     prompt = tokens(model.vocab_size, 4 * GRID + 9, 12)
     tier = make_tier(root)
     write_plan(tier, model, prompt, head_plan(tier, prompt))
     chain = chain_keys(prompt, GRID, SHARED)
-    _flip(tier.files.path("chunk", chain[3]), 5000)  # the last chunk read: the others committed
+    # the last chunk read (its sections summed on both threads): the others were committed
+    _flip(tier.files.path("chunk", chain[3]), offset)
     partial = engine(model)
     partial.prefill(prompt[:GRID + 10])
     state = partial.cache_state()
