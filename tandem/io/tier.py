@@ -150,8 +150,7 @@ class DiskTier:
                  mode: Mode = "on", direct: bool = True,
                  wall: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.perf_counter,
-                 free_nbytes: Callable[[Path], int] | None = None,
-                 staging_keep_nbytes: int = STAGING_KEEP_NBYTES):
+                 free_nbytes: Callable[[Path], int] | None = None):
         if admission.grid != grid:
             raise ValueError("the admission counts another grid")
         self.root = Path(root)
@@ -172,8 +171,7 @@ class DiskTier:
         self.usage = TierUsage()
         seed_from_files(self.usage, self.files, self.index)
         self._reading: dict[Key, int] = {}  # keys a restore in flight reads: never evicted
-        self._staging = Staging(staging_keep_nbytes)
-        self._check_pool: ThreadPoolExecutor | None = None
+        self._staging = Staging(STAGING_KEEP_NBYTES)  # a restore's host buffers, kept
         self.read_bps = PRIOR_READ_BPS
         self.write_bps = PRIOR_WRITE_BPS
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS)
@@ -183,10 +181,6 @@ class DiskTier:
                          "window_drops": 0, "drops": 0, "clears": 0}
 
     def close(self) -> None:
-        if self._check_pool is not None:
-            self._check_pool.shutdown(wait=True)
-            self._check_pool = None
-        self._staging.clear()
         self.files.close()
 
     # -- settings --------------------------------------------------------------------------
@@ -311,9 +305,17 @@ class DiskTier:
         anchor comes back verified, its sections not yet copied. Raises the first failure in
         read order (a chunk's deletes every longer one, so the lowest wins) once nothing of
         this restore is in flight, and with every buffer back in the staging."""
+        # One checker a restore (a thread costs microseconds against a restore's milliseconds).
+        # One: with two, each chunk's sections summed and copied on both, the reads slowed more
+        # than the tail shrank (bench_disk: 0.74 of the raw read against 0.83).
+        with ThreadPoolExecutor(1, thread_name_prefix="tandem-disk-check") as checker:
+            return self._read_rows_with(checker, offer, prompt_ids, state, expect)
+
+    def _read_rows_with(self, checker: ThreadPoolExecutor, offer: DiskOffer,
+                        prompt_ids: Sequence[int], state: CacheState,
+                        expect: Mapping[Entry, int]) -> Loaded:
         g = self.grid
         files, accept, staging = self.files, self.identity, self._staging
-        checker = self._checker()
         anchor = files.load("anchor", offer.anchor_key, accept, like=state, grid=g,
                             staging=staging,
                             expect_nbytes=expect.get(("anchor", offer.anchor_key)))
@@ -409,15 +411,6 @@ class DiskTier:
         finally:
             self._staging.give([chunk.buf])
         return done
-
-    def _checker(self) -> ThreadPoolExecutor:
-        """The thread that verifies restores' files beside their reads. One: with two, each
-        chunk's sections summed and copied on both, the tail after the last read shrank but
-        the reads slowed more (bench_disk: 0.74 of the raw read against 0.83)."""
-        with self._lock:
-            if self._check_pool is None:
-                self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="tandem-disk-check")
-            return self._check_pool
 
     def _failed_restore(self, exc: TierFileError, offer: DiskOffer,
                         prompt_ids: Sequence[int]) -> None:
@@ -689,6 +682,15 @@ class DiskTier:
         return e.nbytes if e is not None else 0
 
 
+def _mean(old: float, new: float) -> float:
+    return (1 - RATE_WEIGHT) * old + RATE_WEIGHT * new
+
+
+def _free_nbytes(root: Path) -> int:
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -703,15 +705,6 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
         return
     np.copyto(dst.view(ints).numpy(), src.view(ints).numpy())
-
-
-def _mean(old: float, new: float) -> float:
-    return (1 - RATE_WEIGHT) * old + RATE_WEIGHT * new
-
-
-def _free_nbytes(root: Path) -> int:
-    st = os.statvfs(root)
-    return st.f_bavail * st.f_frsize
 
 
 class _Shifted:

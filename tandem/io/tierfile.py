@@ -276,11 +276,6 @@ class Staging:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self.kept_nbytes += buf.nbytes
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self.kept_nbytes = 0
-
 
 def _take(staging: Staging | None, nbytes: int) -> np.ndarray:
     return staging.take(nbytes) if staging is not None else aligned(nbytes)
