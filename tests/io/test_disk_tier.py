@@ -5,12 +5,13 @@ I/O error never raises and leaves no partial entry; nothing of another fingerpri
 
 import errno
 import os
+import zlib
 
 import pytest
 import torch
 
 from tandem.cache.namespace import SHARED, namespace_of
-from tandem.io import direct
+from tandem.io import direct, tierfile
 from tandem.io.admission import DiskPlan
 from tandem.io.chain import chain_keys
 from tandem.io.tier import DiskReadFailed
@@ -68,9 +69,9 @@ def test_the_offer_takes_the_longest_usable_anchor_above_start_and_reads_only_ch
 
     # the rows in place below start are another prefill's; the restore reads above them only
     read = []
-    real = tier.files.read_chunk
-    monkeypatch.setattr(tier.files, "read_chunk",
-                        lambda key, *a, **k: read.append(key) or real(key, *a, **k))
+    real = tier.files.load
+    monkeypatch.setattr(tier.files, "load", lambda kind, key, *a, **k: (
+        kind == "chunk" and read.append(key)) or real(kind, key, *a, **k))
     partial = engine(model)
     partial.prefill(prompt[:2 * GRID + 10])
     offer = tier.offer(prompt, SHARED, start=2 * GRID + 10)
@@ -298,3 +299,84 @@ def test_the_server_builds_the_tier_from_its_config_and_none_when_it_is_off(tmp_
     again.close()
     assert make_disk_tier(Config(home=str(tmp_path), disk=DiskConfig(disk_cache="off")),
                           eng) is None
+
+
+def test_a_restore_reads_each_file_in_one_transfer_into_buffers_the_next_one_reuses(
+        root, model, monkeypatch):
+    prompt = tokens(model.vocab_size, 4 * GRID + 9, 11)
+    tier = make_tier(root)
+    cold, want, _ = write_plan(tier, model, prompt, head_plan(tier, prompt))
+    reads, allocated = [], []
+    real_pread, real_aligned = direct.DirectFile.pread_into, tierfile.aligned
+    monkeypatch.setattr(direct.DirectFile, "pread_into",
+                        lambda f, buf, offset: reads.append(f.name) or real_pread(f, buf, offset))
+    monkeypatch.setattr(tierfile, "aligned",
+                        lambda n: allocated.append(n) or real_aligned(n))
+    offer = tier.offer(prompt, SHARED, start=0)
+    assert_same_as_cold(restore_fresh(tier, model, prompt, offer), cold, prompt, want)
+    # header and sections in one transfer a file (the index knows each file's size)
+    assert sorted(reads) == sorted(
+        [tier.files.file_name("anchor", offer.anchor_key)]
+        + [tier.files.file_name("chunk", k) for k in offer.chunk_keys_to_read])
+    assert allocated and tier.statistics()["hits"] == 1
+    reads.clear()
+    allocated.clear()
+    assert_same_as_cold(restore_fresh(tier, model, prompt, offer), cold, prompt, want)
+    assert len(reads) == 5 and allocated == []  # the staging's buffers, no fresh pages
+
+
+@pytest.mark.parametrize("offset", [5000, -1])  # the last file's first section, its last one
+def test_a_failed_restore_leaves_the_state_at_its_length_as_it_was_and_nothing_in_flight(
+        root, model, offset):
+    prompt = tokens(model.vocab_size, 4 * GRID + 9, 12)
+    tier = make_tier(root)
+    write_plan(tier, model, prompt, head_plan(tier, prompt))
+    chain = chain_keys(prompt, GRID, SHARED)
+    # the last chunk read (its sections summed on both threads): the others were committed
+    _flip(tier.files.path("chunk", chain[3]), offset)
+    partial = engine(model)
+    partial.prefill(prompt[:GRID + 10])
+    state = partial.cache_state()
+    sections = {name: t.clone() for name, t in state.sections.items()}
+    below = {name: v.rows(0, GRID + 10).clone() for name, v in state.views.items()}
+    offer = tier.offer(prompt, SHARED, start=GRID + 10)
+    assert offer.chunk_keys_to_read == tuple(chain[1:4])
+    with pytest.raises(DiskReadFailed) as failed:
+        tier.restore(offer, prompt, state)
+    assert failed.value.kind == "chunk" and failed.value.key == chain[3]
+    for name, t in state.sections.items():
+        assert torch.equal(t, sections[name]), name
+    for name, v in state.views.items():
+        assert torch.equal(v.rows(0, GRID + 10), below[name]), name
+    assert not tier._reading  # no file of it is still protected, no check still running
+    assert tier._staging.kept_nbytes > 0  # its buffers came back
+    # the request goes on from what is in place, as if no restore had been tried
+    reference = engine(model)
+    reference.prefill(prompt[:GRID + 10])
+    partial.resume_at(GRID + 10)
+    assert_same_as_cold(partial, reference, prompt, reference.prefill(prompt))
+
+
+def test_of_two_bad_files_the_lower_chunk_is_the_one_reported_and_everything_above_goes(
+        root, model):
+    prompt = tokens(model.vocab_size, 4 * GRID + 9, 13)
+    tier = make_tier(root)
+    write_plan(tier, model, prompt, head_plan(tier, prompt))
+    chain = chain_keys(prompt, GRID, SHARED)
+    _flip(tier.files.path("chunk", chain[1]), 5000)  # found by the checker, after its read
+    tier.files.path("chunk", chain[2]).write_bytes(b"")  # found by the read itself
+    offer = tier.offer(prompt, SHARED, start=0)
+    with pytest.raises(DiskReadFailed) as failed:
+        restore_fresh(tier, model, prompt, offer)
+    assert (failed.value.kind, failed.value.key, failed.value.reason) == \
+        ("chunk", chain[1], "corrupt")
+    assert set(tier.index.chunks) == {chain[0]}
+    assert [tier.files.path("chunk", k).exists() for k in chain[:4]] == \
+        [True, False, False, False]
+    tier.check_invariants()
+
+
+def test_the_tiers_crc32_is_zlibs(hybrid):
+    data = os.urandom(3 << 20)
+    assert tierfile.crc32(data) == zlib.crc32(data)
+    assert tierfile.crc32(data[7:], 12345) == zlib.crc32(data[7:], 12345)
