@@ -202,7 +202,8 @@ class SpillCodec:
                staging: torch.Tensor | None = None) -> torch.Tensor:
         """Decode the stored bytes into ``out`` (the block's dtype and shape, any device, any
         layout) and return it. ``staging`` is a host uint8 tensor of at least the block's
-        bytes (pinned, for the copy to a device); without it one is allocated."""
+        bytes (pinned, for the copy to a device: that copy is asynchronous, so staging is
+        reused only after the stream has passed it); without it one is allocated."""
         planes = self.decompress_into(data, header, staging)
         return self.join_into(planes, header, out)
 

@@ -6,6 +6,10 @@ number's high byte (its sign and 7 exponent bits) takes few values, so its plane
 while the low (mantissa) plane does not; mixed together, neither does. ``join_planes`` is the
 exact inverse. The torch ops run on the tensor's device; the numpy functions are the reference a
 kernel is held to.
+
+Both directions copy one plane at a time (a strided byte read or write each), not a 2-D
+transpose: torch's transpose of ``[n, e]`` uint8 ran at 0.6-0.8 GB/s on one CPU thread, the
+plane-by-plane copies at 2.8-3.5 GB/s.
 """
 
 from __future__ import annotations
@@ -18,13 +22,17 @@ def cut_planes(block: torch.Tensor) -> torch.Tensor:
     """uint8 ``[element_size, numel]``, contiguous, on the block's device."""
     e = block.element_size()
     data = block.contiguous().reshape(-1).view(torch.uint8).reshape(-1, e)
-    return data.t().contiguous()
+    planes = torch.empty((e, data.shape[0]), dtype=torch.uint8, device=block.device)
+    for j in range(e):
+        planes[j] = data[:, j]
+    return planes
 
 
 def join_planes(planes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the elements the planes hold into ``out`` (any layout, any device; its dtype and
     shape are the block's) and return it. The planes move to out's device first, so that the
-    transpose runs there."""
+    join runs there; from pinned host memory that copy is asynchronous, so the caller reuses
+    the planes' buffer only after the device's stream has passed it (an event)."""
     e, n = out.element_size(), out.numel()
     if tuple(planes.shape) != (e, n) or planes.dtype != torch.uint8:
         raise ValueError(f"planes {tuple(planes.shape)} {planes.dtype} for a block of {n} "
@@ -32,8 +40,13 @@ def join_planes(planes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     if n == 0:  # no bytes to move (and no strides a dtype view accepts)
         return out
     planes = planes.to(out.device, non_blocking=planes.is_pinned())
-    joined = planes.t().contiguous().view(out.dtype).reshape(out.shape)
-    return out.copy_(joined)
+    # a contiguous out is written in place; another layout through one contiguous block
+    joined = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype,
+                                                         device=out.device)
+    data = joined.reshape(-1).view(torch.uint8).reshape(n, e)
+    for j in range(e):
+        data[:, j] = planes[j]
+    return out if joined is out else out.copy_(joined)
 
 
 def cut_planes_reference(data: bytes | np.ndarray, element_size: int) -> np.ndarray:

@@ -250,3 +250,20 @@ def test_rows_and_sections_the_engine_wrote_round_trip_bit_for_bit(hybrid):
         for name, t in state.sections.items():
             data, header = codec.encode(t)
             assert torch.equal(codec.decode(data, header, poisoned(t)), t), name
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(DTYPES), st.integers(0, 3000), st.integers(1, 5000),
+       st.sampled_from([1, 3]), st.booleans())
+def test_any_block_round_trips_through_any_frame_size(dtype, numel, frame_nbytes, threads,
+                                                      compressible):
+    block = kv_like((numel,), dtype, numel) if compressible else \
+        torch.randint(0, 256, (numel * torch.empty((), dtype=dtype).element_size(),),
+                      generator=torch.Generator().manual_seed(numel),
+                      dtype=torch.uint8).view(dtype)
+    with SpillCodec(threads=threads, frame_nbytes=frame_nbytes) as codec:
+        data, header = codec.encode(block)
+        assert all(f.raw_nbytes <= frame_nbytes for f in header.frames)
+        header = BlockHeader.from_bytes(header.to_bytes())
+        out = codec.decode(bytes(data), header, poisoned(block))
+    assert torch.equal(out.view(torch.uint8), block.view(torch.uint8))
