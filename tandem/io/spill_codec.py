@@ -77,7 +77,7 @@ class BlockHeader(msgspec.Struct, frozen=True):
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=_DTYPES[self.dtype]).element_size()
+        return _DTYPES[self.dtype].itemsize
 
     @property
     def numel(self) -> int:
