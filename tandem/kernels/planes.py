@@ -1,0 +1,57 @@
+"""Byte planes of a block, cut and joined where the rows are (spec: "Size on the disk": the codec).
+
+A block of n elements of e bytes each, in C order, is cut into e planes of n bytes: plane j holds
+byte j (little-endian: plane 0 the lowest) of every element, in the elements' order. A bf16
+number's high byte (its sign and 7 exponent bits) takes few values, so its plane compresses well
+while the low (mantissa) plane does not; mixed together, neither does. ``join_planes`` is the
+exact inverse. The torch ops run on the tensor's device; the numpy functions are the reference a
+kernel is held to.
+
+Both directions copy one plane at a time (a strided byte read or write each), not a 2-D
+transpose: torch's transpose of ``[n, e]`` uint8 ran at 0.6-0.8 GB/s on one CPU thread, the
+plane-by-plane copies at 2.8-3.5 GB/s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def cut_planes(block: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[element_size, numel]``, contiguous, on the block's device."""
+    e = block.element_size()
+    data = block.contiguous().reshape(-1).view(torch.uint8).reshape(-1, e)
+    planes = torch.empty((e, data.shape[0]), dtype=torch.uint8, device=block.device)
+    for j in range(e):
+        planes[j] = data[:, j]
+    return planes
+
+
+def join_planes(planes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the elements the planes hold into ``out`` (any layout, any device; its dtype and
+    shape are the block's) and return it. The planes move to out's device first, so that the
+    join runs there; from pinned host memory that copy is asynchronous, so the caller reuses
+    the planes' buffer only after the device's stream has passed it (an event)."""
+    e, n = out.element_size(), out.numel()
+    if tuple(planes.shape) != (e, n) or planes.dtype != torch.uint8:
+        raise ValueError(f"planes {tuple(planes.shape)} {planes.dtype} for a block of {n} "
+                         f"elements of {e} bytes")
+    if n == 0:  # no bytes to move (and no strides a dtype view accepts)
+        return out
+    planes = planes.to(out.device, non_blocking=planes.is_pinned())
+    # a contiguous out is written in place; another layout through one contiguous block
+    joined = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype,
+                                                         device=out.device)
+    data = joined.reshape(-1).view(torch.uint8).reshape(n, e)
+    for j in range(e):
+        data[:, j] = planes[j]
+    return out if joined is out else out.copy_(joined)
+
+
+def cut_planes_reference(data: bytes | np.ndarray, element_size: int) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8).reshape(-1, element_size).T.copy()
+
+
+def join_planes_reference(planes: np.ndarray) -> bytes:
+    return np.ascontiguousarray(planes.T).tobytes()
