@@ -692,12 +692,20 @@ class SessionSpill:
                 for name in os.listdir(fd):
                     if name != MANIFEST and name not in named:
                         _unlink(fd, name)  # the files of the old manifest no longer listed
-            except OSError as exc:
-                log.warning("spill_write_failed", eid=eid[:12], errno=exc.errno)
+            except BaseException as exc:
+                # The manifest is gone already: what is left is no entry, and goes now rather
+                # than at the next open.
+                log.warning("spill_write_failed", eid=eid[:12],
+                            errno=getattr(exc, "errno", None), error=type(exc).__name__)
                 os.close(fd)
                 fd = -1
-                self._remove(eid)
-                raise SpillWriteFailed(eid, exc) from exc
+                try:
+                    self._remove(eid)
+                except OSError:
+                    pass  # the next open deletes a folder without a manifest
+                if isinstance(exc, OSError):
+                    raise SpillWriteFailed(eid, exc) from exc
+                raise
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -832,7 +840,10 @@ class SessionSpill:
             line = m.end.file.stop if m.end is not None else max(ends, default=0)
         if line not in ends:
             raise ValueError(f"the entry has no anchor at {line}")
-        at = ends[line]
+        for name, v in state.views.items():
+            if v.tensor.shape[v.token_axis] < m.valid:
+                # the caller's window, not the entry: it stays for a state that holds it
+                raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
         in_place = common_prefix(rows_in_place, m.token_ids)
         G = self.grid
         ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors"), 0.0)
@@ -845,9 +856,6 @@ class SessionSpill:
             # manifest's, and every file's parts against the buffers they go into.
             if _view_layouts(state) != m.views or _section_layouts(state.sections) != m.sections:
                 raise _Bad("layout", "the entry's buffers are not the state's")
-            for name, v in state.views.items():
-                if v.tensor.shape[v.token_axis] < m.valid:
-                    raise _Bad("layout", f"view {name!r} holds fewer than {m.valid} rows")
             for b in m.blocks:
                 _check_parts(b, [(v.dtype, _block_shape(v, b.stop - b.start)) for v in m.views])
             for f in m.anchors + ([m.end.file] if m.end is not None else []):

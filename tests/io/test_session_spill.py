@@ -402,3 +402,89 @@ def test_over_the_budget_the_least_recently_used_entry_goes_first(hybrid, tmp_pa
     with open_spill(tmp_path / "tiny", budget_nbytes=one // 2, wall=clock) as spill:
         report = conv.save(spill, a)
         assert report.skipped == "budget" and spill.entries() == {}
+
+
+def test_an_io_error_mid_save_leaves_no_entry_to_serve(hybrid, tmp_path, monkeypatch):
+    from tandem.io import direct
+    from tandem.io.spill import SpillWriteFailed
+    root = tmp_path / "sessions"
+    conv = Conversation(hybrid, tokens(hybrid.vocab_size, 200, 17), decoded=4)
+    meta = meta_of()
+    with open_spill(root) as spill:
+        conv.save(spill, meta)
+        conv.extend(tokens(hybrid.vocab_size, 100, 18), decoded=2)
+        real = direct.DirectFile.pwrite_from
+        calls = []
+
+        def full_disk(self, buf, offset):
+            calls.append(offset)
+            if len(calls) == 2:  # the second new file: the rewrite is part way
+                raise OSError(28, "No space left on device")
+            return real(self, buf, offset)
+
+        monkeypatch.setattr(direct.DirectFile, "pwrite_from", full_disk)
+        with pytest.raises(SpillWriteFailed) as err:
+            conv.save(spill, meta)
+        assert err.value.errno == 28
+        assert spill.entries() == {} and not (root / meta.entry_id).exists()
+        assert spill.offer(conv.engine.token_ids, meta.namespace) is None
+        monkeypatch.undo()
+        assert conv.save(spill, meta).blocks_written == -(-conv.valid // GRID)
+
+
+def test_a_save_cut_short_is_a_folder_without_a_manifest_the_next_open_deletes(hybrid, tmp_path,
+                                                                                monkeypatch):
+    root = tmp_path / "sessions"
+    conv = Conversation(hybrid, tokens(hybrid.vocab_size, 200, 19), decoded=4)
+    meta = meta_of()
+    with open_spill(root) as spill:
+        conv.save(spill, meta)
+        conv.extend(tokens(hybrid.vocab_size, 100, 20), decoded=2)
+        # A kill between two files: the cleanup never runs either.
+        monkeypatch.setattr(SessionSpill, "_remove", lambda self, eid: False)
+        real = SessionSpill._write_file
+        calls = []
+
+        def killed(self, *a, **kw):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return real(self, *a, **kw)
+
+        monkeypatch.setattr(SessionSpill, "_write_file", killed)
+        with pytest.raises(KeyboardInterrupt):
+            conv.save(spill, meta)
+    monkeypatch.undo()
+    assert (root / meta.entry_id).exists() and not (root / meta.entry_id / MANIFEST).exists()
+    with open_spill(root) as spill:
+        assert spill.dropped_at_open == {"unfinished": 1} and list(root.iterdir()) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_rows_on_the_device_are_summed_there_and_come_back_bit_for_bit(hybrid_bf16, spill):
+    from tandem.models.base import CacheState, View
+    conv = Conversation(hybrid_bf16, tokens(hybrid_bf16.vocab_size, 300, 21), decoded=9)
+    host = conv.engine.cache_state()
+
+    def on_device(state, fill=None):
+        return CacheState({k: (t.cuda() if fill is None
+                               else torch.full_like(t, fill, device="cuda"))
+                           for k, t in state.sections.items()},
+                          {k: View(v.tensor.cuda() if fill is None
+                                   else torch.full_like(v.tensor, fill, device="cuda"),
+                                   v.token_axis) for k, v in state.views.items()})
+
+    dev = on_device(host)
+    meta = meta_of()
+    anchors = {line: {k: t.cuda() for k, t in a.tensors.items()}
+               for line, a in conv.anchors.items()}
+    end = SpillEnd(conv.valid, dict(dev.sections))
+    spill.save(meta.entry_id, dev, conv.valid, conv.engine.token_ids, anchors, end, meta)
+    fresh = on_device(host, fill=float("nan"))
+    got = spill.restore(meta.entry_id, fresh, [])
+    for k, v in fresh.views.items():
+        assert v.tensor.is_cuda
+        assert torch.equal(v.rows(0, conv.valid), dev.views[k].rows(0, conv.valid))
+    assert_sections_equal(fresh.sections, dev.sections)
+    for line, copy in got.anchors.items():
+        assert_sections_equal(copy, anchors[line])
