@@ -261,6 +261,17 @@ class DiskConfig(_Section):
         "from 1.5 times it, only the drain."))] = 200.0
 
 
+class SpillConfig(_Section):
+    """The session spill: whole conversations on the NVMe (spec: "Live conversations on the NVMe")."""
+
+    session_spill_gb: Annotated[float, Meta(ge=0, description=(
+        "Budget of the session spill, GB; entries unused for 48 hours go, then the least "
+        "recently used first."))] = 64.0
+    session_spill_min_tokens: Annotated[int, Meta(ge=0, description=(
+        "A conversation leaving its slot is written to the spill, when the RAM park cannot "
+        "hold it, from this many tokens."))] = 16384
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole config. Sections are tables in the TOML; knob names are unique across them."""
 
@@ -275,6 +286,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     memory: MemoryConfig = msgspec.field(default_factory=MemoryConfig)
     speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
+    spill: SpillConfig = msgspec.field(default_factory=SpillConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a

@@ -1,0 +1,1077 @@
+"""The session spill's entries: whole conversations on the NVMe (spec: "Live conversations on the
+NVMe" through "The day's write budget"; issue 16, parts 1, 3, 4 and 7).
+
+This is the entry as a library, synchronous and without an actor: what is written where, how a
+save keeps what did not change, how a restore checks what it reads, and which entries go. The
+spill writer actor, the drain, the eviction rule and the engine's wiring call it.
+
+An entry is one conversation: rows ``[0, valid)`` of every view of a ``CacheState``, the end
+anchor's sections (its hidden spans, alignment regions and drafter mark ride along as opaque
+JSON the caller passes), the newest 4 grid anchors, the token ids, taint, the session key's
+digest (never its text) and the namespace (the salt's digest). Its folder, under ``root``::
+
+    <entry id>/            0700; the id a sha256 of the session digest and the namespace
+        manifest           written last, removed first: the entry exists only with it
+        blk-<hash>         block k: rows [k*G, min((k+1)*G, valid)) of every view, each view's
+                           bytes by the codec (tandem.io.spill_codec) at a 4 KiB-aligned offset
+        anc-<hash>         a grid anchor: every section by the codec
+        end-<hash>         the end anchor, the same way
+
+Every file is 0600 and opened relative to its folder's descriptor with O_NOFOLLOW; block and
+anchor files go out with one O_DIRECT write from an aligned buffer (tandem.io.direct, buffered
+where the file system refuses it) and are named by a hash of their place and content, so an
+unchanged block keeps its name and file through a rewrite.
+
+Incremental by content: a save takes two 64-bit sums of every view's block (and every anchor's
+section) where the rows are (tandem.kernels.blocksums), off the device in one copy. A block
+whose rows, tokens and sums equal the manifest's is not written again, nor an anchor whose sums
+are equal. A restore skips a block already in place (the rows in place hold its tokens and
+every token below it, so its rows are the same rows) and never reads it; every block it reads is
+decoded into scratch beside the rows, summed again there and copied into the rows only when its
+sums are the manifest's; every anchor too. A mismatch raises ``SpillReadFailed``, deletes the
+entry, and the caller resumes from what is in place.
+
+Crash safety: a rewrite or a delete removes the manifest first (fsync of the folder), a save
+writes it last (tmp, fsync, rename, fsync of the folder), so a folder without one is a write
+that did not finish and ``open`` deletes it; ``open`` deletes an entry of a fingerprint the
+identity does not accept, one whose manifest fails its sha256 or version, one whose files are
+missing or of another size, and files no manifest names. The layout of every buffer (dtype,
+shape, token axis) is checked against the state and every block's codec header before a byte
+of it is read.
+
+Budget: ``budget_nbytes`` (``session_spill_gb``) of files; an entry unused for ``ttl_s`` (48 h)
+goes, then the least recently used first (``evict``), and a save makes room the same way.
+When an entry was last used is its manifest's mtime, so it survives a restart.
+
+Thread rule: the index is touched under ``self._lock``; one save or restore at a time (the
+spill writer owns the instance); ``offer`` may run beside them.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import msgspec
+import numpy as np
+import structlog
+import torch
+
+from tandem.cache.copies import SectionsCopy
+from tandem.cache.namespace import Namespace
+from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, open_folder,
+                              round_up)
+from tandem.io.fingerprint import Identity
+from tandem.io.spill_codec import (CODEC_VERSION, BlockHeader, CodecError, SpillCodec,
+                                   _dtype_name)
+from tandem.kernels.blocksums import block_sums, host_sums, sections_sums, views_block_sums
+from tandem.kernels.planes import cut_planes
+from tandem.models.base import CacheState
+from tandem.tokens import common_prefix
+
+log = structlog.get_logger("tandem.spill")
+
+GB = 10 ** 9
+MANIFEST_VERSION = 1
+MANIFEST = "manifest"
+TMP = ".tmp"
+MAGIC = b"TANDEMSP"
+ANCHORS_KEPT = 4  # the newest grid anchors an entry keeps
+BUDGET_NBYTES = 64 * GB  # session_spill_gb
+TTL_S = 48 * 3600.0
+MIN_TOKENS = 16384  # session_spill_min_tokens: the caller's rule for an eviction's save
+MAX_MANIFEST_NBYTES = 256 << 20
+
+FileKind = Literal["blk", "anc", "end"]
+Refusal = Literal["missing", "layout", "sums", "codec", "io", "manifest", "tokens"]
+
+
+# -- names ----------------------------------------------------------------------------------
+
+def session_digest(session_key: str) -> str:
+    """The hex digest an entry keeps of its session key, domain-separated (never the text)."""
+    return hashlib.sha256(b"tandem spill session\0"
+                          + session_key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def entry_id(session: str, namespace: Namespace | str) -> str:
+    """The entry's folder name: a sha256 of the session key's digest and the namespace, so a
+    session of another tenant never names the same entry."""
+    return hashlib.sha256(f"tandem spill entry\0{namespace}\0{session}".encode()).hexdigest()
+
+
+def _is_id(name: str) -> bool:
+    return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
+
+
+def _file_name(kind: FileKind, *parts: object) -> str:
+    h = hashlib.sha256(kind.encode())
+    for p in parts:
+        h.update(b"\0" + str(p).encode())
+    return f"{kind}-{h.hexdigest()[:40]}"
+
+
+def _is_file_name(name: str) -> bool:
+    kind, _, rest = name.partition("-")
+    return kind in ("blk", "anc", "end") and len(rest) == 40 and all(
+        c in "0123456789abcdef" for c in rest)
+
+
+# -- the manifest ---------------------------------------------------------------------------
+
+class ViewLayout(msgspec.Struct, frozen=True, array_like=True):
+    """A view as the entry holds it: its shape with the token axis' length set to 0 (the
+    window may differ between two processes; the rows may not)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    token_axis: int
+
+
+class SectionLayout(msgspec.Struct, frozen=True, array_like=True):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class Part(msgspec.Struct, frozen=True, array_like=True):
+    """One buffer's bytes in a file: where they start, and the codec's header (its length)."""
+
+    offset: int
+    header: BlockHeader
+    plain: int  # the two sums of the buffer's bytes (blocksums), uint64
+    weighted: int
+
+
+class FileRecord(msgspec.Struct, frozen=True):
+    """A block (``start``/``stop`` its rows) or an anchor (``stop`` its line, ``start`` 0)."""
+
+    name: str
+    start: int
+    stop: int
+    file_nbytes: int
+    parts: list[Part]  # the views' (a block) or the sections' (an anchor), in layout order
+
+    def sums(self) -> list[tuple[int, int]]:
+        return [(p.plain, p.weighted) for p in self.parts]
+
+
+class EndRecord(msgspec.Struct, frozen=True):
+    file: FileRecord  # stop: the end anchor's position
+    meta: Any = None  # the caller's: hidden spans, alignment regions, the drafter's mark
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    version: int
+    fingerprint: str
+    grid: int
+    namespace: str
+    session: str  # the session key's digest
+    valid: int
+    taint: int | None
+    token_ids: list[int]
+    views: list[ViewLayout]
+    sections: list[SectionLayout]
+    blocks: list[FileRecord]
+    anchors: list[FileRecord]  # by line, ascending
+    end: EndRecord | None
+    saved_at: float
+    meta: Any = None
+
+    def files(self) -> list[FileRecord]:
+        return (list(self.blocks) + list(self.anchors)
+                + ([self.end.file] if self.end is not None else []))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.file_nbytes for f in self.files())
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder(Manifest).decode
+
+
+def manifest_bytes(m: Manifest) -> bytes:
+    """MAGIC, the hex sha256 of the JSON, a newline, the JSON: a flipped byte anywhere (a token
+    id's digit) is refused, never served."""
+    body = _encode(m)
+    return MAGIC + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+
+
+def parse_manifest(data: bytes) -> Manifest:
+    head = len(MAGIC) + 64 + 1
+    if len(data) < head or data[:len(MAGIC)] != MAGIC or data[head - 1:head] != b"\n":
+        raise ValueError("not a spill manifest")
+    body = data[head:]
+    if hashlib.sha256(body).hexdigest().encode() != data[len(MAGIC):head - 1]:
+        raise ValueError("manifest sha256")
+    m = _decode(body)
+    if m.version != MANIFEST_VERSION:
+        raise ValueError(f"manifest version {m.version}")
+    return m
+
+
+# -- what a caller passes and gets ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """Who an entry belongs to. ``session``: ``session_digest(key)``; ``namespace``: the
+    request's (tandem.cache.namespace); ``taint``: the engine's (the lowest row not a cold grid
+    prefill's, None: none); ``extra``: the caller's, JSON-able."""
+
+    session: str
+    namespace: Namespace | str
+    taint: int | None = None
+    extra: Any = None
+
+    @property
+    def entry_id(self) -> str:
+        return entry_id(self.session, self.namespace)
+
+
+@dataclass(frozen=True)
+class SpillEnd:
+    """The end anchor: the sections at ``length`` and the caller's metadata (JSON-able)."""
+
+    length: int
+    sections: Mapping[str, torch.Tensor]
+    meta: Any = None
+
+
+class SaveReport(msgspec.Struct, frozen=True):
+    entry_id: str
+    valid: int
+    blocks_written: int
+    blocks_kept: int
+    anchors_written: int  # the end counts among the anchors
+    anchors_kept: int
+    nbytes_written: int  # what went to the disk (stored, padded)
+    raw_nbytes_written: int  # the same blocks' and anchors' bytes in the engine
+    entry_nbytes: int
+    evicted: int  # other entries this save made room by deleting
+    end_kept_from_disk: bool  # no end given, every block unchanged: the one on disk stayed
+    skipped: Literal["", "budget", "nothing"] = ""
+    # Where the time went, ms: sums, copy (planes to the host), compress, write, fsync,
+    # anchors (the anchors' share of copy+compress+write+fsync), manifest, total.
+    ms: dict[str, float] = {}
+
+
+@dataclass
+class RestoreReport:
+    entry_id: str
+    line: int  # the engine resumes here: its sections are the state's
+    token_ids: list[int]  # the rows [0, line)
+    taint: int | None  # below line, for Engine.resume_at
+    blocks_read: int
+    blocks_in_place: int
+    nbytes_read: int
+    anchors: dict[int, SectionsCopy]  # every grid anchor, read and checked
+    end: SpillEnd | None  # the end anchor, read and checked (its sections a copy)
+    ms: dict[str, float]  # read, decode, sums, copy, anchors, total
+
+
+class SpillOffer(msgspec.Struct, frozen=True):
+    """What an entry serves of a prompt: ``matched`` rows share the prompt's tokens; the engine
+    resumes at ``line`` (the end when reached, else the highest anchor at or below
+    ``matched``, 0: none), reading about ``read_nbytes``."""
+
+    entry_id: str
+    matched: int
+    valid: int
+    line: int
+    end_length: int | None
+    end_reached: bool
+    anchors_below: list[int]  # grid anchors at or below matched
+    read_nbytes: int
+    end_meta: Any
+    taint: int | None
+    last_used: float
+
+
+class SpillError(Exception):
+    pass
+
+
+class SpillReadFailed(SpillError):
+    """A restore stopped at a file that failed a check; the entry is deleted. Rows below
+    ``intact_below`` were not written (the rows in place there are as they were). Names no
+    token."""
+
+    def __init__(self, reason: Refusal, entry: str, detail: str, intact_below: int):
+        super().__init__(f"spill restore failed: {entry[:12]} {reason}: {detail}")
+        self.reason: Refusal = reason
+        self.entry_id = entry
+        self.detail = detail
+        self.intact_below = intact_below
+
+
+class SpillWriteFailed(SpillError):
+    """A save that could not finish (an I/O error, a full disk); the entry is deleted."""
+
+    def __init__(self, entry: str, exc: OSError):
+        super().__init__(f"spill save failed: {entry[:12]} {exc.strerror or exc}")
+        self.entry_id = entry
+        self.errno = exc.errno
+
+
+class _Bad(Exception):
+    def __init__(self, reason: Refusal, detail: str):
+        super().__init__(detail)
+        self.reason: Refusal = reason
+
+
+# -- the spill ------------------------------------------------------------------------------
+
+@dataclass
+class _Indexed:
+    manifest: Manifest
+    last_used: float
+
+
+class SessionSpill:
+    """The entries under ``root``: ``open`` them (deleting what must not be served), ``save``,
+    ``offer``, ``restore``, ``delete``, ``evict``."""
+
+    def __init__(self, root: str | os.PathLike, identity: Identity, grid: int, *,
+                 budget_nbytes: int = BUDGET_NBYTES, ttl_s: float = TTL_S,
+                 codec: SpillCodec | None = None, codec_version: int = CODEC_VERSION,
+                 direct: bool = True, wall=time.time):
+        if grid <= 0:
+            raise ValueError("the grid must be positive")
+        root = Path(root)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.identity = identity
+        self.grid = grid
+        self.budget_nbytes = int(budget_nbytes)
+        self.ttl_s = float(ttl_s)
+        self.codec_version = codec_version
+        self.direct = direct
+        self.wall = wall
+        self._own_codec = codec is None
+        self.codec = codec if codec is not None else SpillCodec()
+        self.root_fd = open_folder(root)
+        self._lock = threading.Lock()
+        self._index: dict[str, _Indexed] = {}
+        self._stage = aligned(0)
+        self.dropped_at_open: dict[str, int] = {}
+
+    def close(self) -> None:
+        if self._own_codec:
+            self.codec.close()
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
+
+    def __enter__(self) -> "SessionSpill":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the index ------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(e.manifest.nbytes for e in self._index.values())
+
+    def entries(self) -> dict[str, Manifest]:
+        with self._lock:
+            return {k: e.manifest for k, e in self._index.items()}
+
+    def last_used(self, eid: str) -> float | None:
+        with self._lock:
+            e = self._index.get(eid)
+            return None if e is None else e.last_used
+
+    def open(self) -> dict[str, int]:
+        """Scan the folder: index every entry that may be served and delete the rest (a folder
+        without a manifest, another fingerprint's, a bad manifest, missing or resized files,
+        a symlink in an entry's place), and files no manifest names. Counts by why."""
+        dropped: dict[str, int] = {}
+
+        def drop(eid: str, why: str) -> None:
+            self._remove(eid)
+            dropped[why] = dropped.get(why, 0) + 1
+            log.info("spill_entry_dropped", eid=eid[:12], why=why)
+
+        index: dict[str, _Indexed] = {}
+        for name in sorted(os.listdir(self.root_fd)):
+            if not _is_id(name):
+                continue  # not a name the spill makes: left alone
+            try:
+                fd = open_folder(name, dir_fd=self.root_fd, create=False)
+            except (RefusedEntry, NotADirectoryError):
+                drop(name, "refused")
+                continue
+            try:
+                why, m, mtime = self._check_entry(fd, name)
+            finally:
+                os.close(fd)
+            if m is None:
+                drop(name, why)
+                continue
+            index[name] = _Indexed(m, mtime)
+        with self._lock:
+            self._index = index
+        self.dropped_at_open = dropped
+        log.info("spill_opened", entries=len(index), dropped=sum(dropped.values()),
+                 nbytes=sum(e.manifest.nbytes for e in index.values()))
+        return dropped
+
+    def _check_entry(self, fd: int, eid: str) -> tuple[str, Manifest | None, float]:
+        try:
+            raw, mtime = _read_small(fd, MANIFEST)
+        except FileNotFoundError:
+            return "unfinished", None, 0.0
+        except (RefusedEntry, OSError):
+            return "refused", None, 0.0
+        try:
+            m = parse_manifest(raw)
+        except (ValueError, msgspec.DecodeError):
+            return "manifest", None, 0.0
+        if m.fingerprint not in self.identity:
+            return "fingerprint", None, 0.0
+        if (m.grid != self.grid or entry_id(m.session, m.namespace) != eid
+                or not _consistent(m)):
+            return "manifest", None, 0.0
+        named = {f.name: f.file_nbytes for f in m.files()}
+        for name in os.listdir(fd):
+            if name == MANIFEST:
+                continue
+            if name not in named:  # a rewrite's leftover, a temp, or no name of ours
+                _unlink(fd, name)
+                continue
+        for name, nbytes in named.items():
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return "missing", None, 0.0
+            if not _regular(st) or st.st_size != nbytes:
+                return "missing", None, 0.0
+        return "", m, mtime
+
+    # -- delete and evict -----------------------------------------------------------------
+
+    def delete(self, eid: str) -> bool:
+        """Delete the entry: its manifest first, so that a crash part way leaves an entry the
+        next open deletes, never a torn one served."""
+        with self._lock:
+            had = self._index.pop(eid, None) is not None
+        return self._remove(eid) or had
+
+    def _remove(self, eid: str) -> bool:
+        if not _is_id(eid):
+            raise ValueError("an entry is named by its id (64 hex digits)")
+        try:
+            fd = open_folder(eid, dir_fd=self.root_fd, create=False)
+        except FileNotFoundError:
+            return False
+        except (RefusedEntry, NotADirectoryError):
+            os.unlink(eid, dir_fd=self.root_fd)  # a symlink or a file in an entry's place
+            fsync_folder(self.root_fd)
+            return True
+        try:
+            if _unlink(fd, MANIFEST):
+                fsync_folder(fd)
+            for name in os.listdir(fd):
+                if not _unlink(fd, name):
+                    # a folder inside an entry is none of ours: take it out whole
+                    shutil.rmtree(os.path.join(self.root, eid, name), ignore_errors=True)
+        finally:
+            os.close(fd)
+        os.rmdir(eid, dir_fd=self.root_fd)
+        fsync_folder(self.root_fd)
+        return True
+
+    def evict(self, now: float | None = None, need_nbytes: int = 0,
+              keep: str | None = None) -> list[str]:
+        """Delete every entry unused for ``ttl_s``, then the least recently used until the
+        entries and ``need_nbytes`` fit the budget (``keep`` is not deleted). The ids gone."""
+        now = self.wall() if now is None else now
+        with self._lock:
+            order = sorted(self._index.items(), key=lambda kv: kv[1].last_used)
+        gone: list[str] = []
+        total = sum(e.manifest.nbytes for _, e in order)
+        for eid, e in order:
+            if eid == keep:
+                continue
+            if now - e.last_used > self.ttl_s:
+                why = "ttl"
+            elif total + need_nbytes > self.budget_nbytes:
+                why = "budget"
+            else:
+                continue
+            self.delete(eid)
+            total -= e.manifest.nbytes
+            gone.append(eid)
+            log.info("spill_evicted", eid=eid[:12], why=why, nbytes=e.manifest.nbytes)
+        return gone
+
+    # -- save -----------------------------------------------------------------------------
+
+    def save(self, eid: str, state: CacheState, valid: int, token_ids: Sequence[int],
+             anchors: Mapping[int, SectionsCopy | Mapping[str, torch.Tensor]],
+             end: SpillEnd | None, meta: EntryMeta, *, now: float | None = None) -> SaveReport:
+        """Write the conversation: rows ``[0, valid)`` of every view, the newest 4 of
+        ``anchors`` (grid lines at or below ``valid``), ``end`` and ``meta``, keeping every
+        block and anchor of the entry's files whose content is unchanged. Raises
+        ``SpillWriteFailed`` (the entry gone) on an I/O error."""
+        t_all = time.perf_counter()
+        now = self.wall() if now is None else now
+        if eid != meta.entry_id:
+            raise ValueError("the entry id is not the one of the meta's session and namespace")
+        if not 0 < valid <= len(token_ids):
+            raise ValueError(f"valid {valid} with {len(token_ids)} token ids")
+        views = _view_layouts(state)
+        sections = _section_layouts(state.sections)
+        for name, v in state.views.items():
+            if v.tensor.shape[v.token_axis] < valid:
+                raise ValueError(f"view {name!r} holds fewer than {valid} rows")
+        G = self.grid
+        lines = sorted(line for line in anchors if 0 < line <= valid and line % G == 0)
+        lines = lines[-ANCHORS_KEPT:]
+        if end is not None and not 0 < end.length <= valid:
+            raise ValueError(f"an end anchor at {end.length} outside the {valid} rows")
+        tokens = [int(t) for t in token_ids[:valid]]
+        ms = dict.fromkeys(("sums", "copy", "compress", "write", "fsync", "anchors",
+                            "manifest"), 0.0)
+
+        t = time.perf_counter()
+        # Every view's block sums in one tensor, off the device in one copy.
+        block_sums_host = host_sums(views_block_sums(state.views, 0, valid, G))  # [V, B, 2]
+        anchor_secs = {line: _tensors(anchors[line]) for line in lines}
+        anchor_sums = {line: host_sums(sections_sums(anchor_secs[line])) for line in lines}
+        end_sums = host_sums(sections_sums(dict(end.sections))) if end is not None else None
+        ms["sums"] = _ms(t)
+
+        with self._lock:
+            old_entry = self._index.get(eid)
+        old = old_entry.manifest if old_entry is not None else None
+        if old is not None and (old.views != views or old.sections != sections):
+            old = None  # another layout: nothing of it can be kept
+        old_blocks = {(b.start, b.stop): b for b in old.blocks} if old is not None else {}
+        old_anchors = {a.stop: a for a in old.anchors} if old is not None else {}
+        num_blocks = -(-valid // G)
+        plan: list[tuple[int, int, FileRecord | None, list[tuple[int, int]]]] = []
+        for k in range(num_blocks):
+            a, b = k * G, min((k + 1) * G, valid)
+            sums = [(int(block_sums_host[v, k, 0]), int(block_sums_host[v, k, 1]))
+                    for v in range(len(views))]
+            prev = old_blocks.get((a, b))
+            keep = (prev is not None and prev.sums() == sums
+                    and old.token_ids[a:b] == tokens[a:b])
+            plan.append((a, b, prev if keep else None, sums))
+        anchor_plan = []
+        for line in lines:
+            sums = _pairs(anchor_sums[line])
+            prev = old_anchors.get(line)
+            anchor_plan.append((line, prev if prev is not None and prev.sums() == sums
+                                else None, sums))
+        end_keep: FileRecord | None = None
+        end_meta: Any = None
+        end_kept_from_disk = False
+        if end is not None:
+            sums = _pairs(end_sums)
+            if (old is not None and old.end is not None and old.end.file.stop == end.length
+                    and old.end.file.sums() == sums):
+                end_keep = old.end.file
+            end_meta = end.meta
+        elif (old is not None and old.end is not None and old.valid == valid
+              and old.token_ids == tokens and all(p[2] is not None for p in plan)):
+            # The engine gave the end's buffers back (a cache level), but the rows are the
+            # ones on the disk: the end anchor there is still the state at its rows.
+            end_keep, end_meta, end_kept_from_disk = old.end.file, old.end.meta, True
+
+        kept_blocks = sum(1 for p in plan if p[2] is not None)
+        kept_anchors = (sum(1 for p in anchor_plan if p[1] is not None)
+                        + (1 if end_keep is not None else 0))
+        new_end = end is not None and end_keep is None
+        raw_need = (sum(sum(_rows_nbytes(v, b - a) for v in state.views.values())
+                        for a, b, prev, _ in plan if prev is None)
+                    + sum(_sections_nbytes(anchor_secs[line])
+                          for line, prev, _ in anchor_plan if prev is None)
+                    + (_sections_nbytes(end.sections) if new_end else 0))
+        unchanged = (old is not None and raw_need == 0 and old.valid == valid
+                     and old.token_ids == tokens and old.taint == meta.taint
+                     and old.meta == meta.extra and old.namespace == meta.namespace
+                     and [a.stop for a in old.anchors] == lines
+                     and (old.end.file if old.end is not None else None) == end_keep
+                     and (old.end.meta if old.end is not None else None) == end_meta)
+        if unchanged:
+            self._touch(eid, now)
+            return SaveReport(eid, valid, 0, kept_blocks, 0, kept_anchors, 0, 0, old.nbytes,
+                              0, end_kept_from_disk, "nothing",
+                              dict(ms, total=_ms(t_all)))
+        # Room for the new bytes (their size in the engine: the stored ones are never more),
+        # the entry's own files counted as they stand.
+        evicted = self.evict(now, need_nbytes=raw_need, keep=eid)
+        kept_nbytes = (sum(p[2].file_nbytes for p in plan if p[2] is not None)
+                       + sum(p[1].file_nbytes for p in anchor_plan if p[1] is not None)
+                       + (end_keep.file_nbytes if end_keep is not None else 0))
+        if raw_need + kept_nbytes > self.budget_nbytes:
+            log.info("spill_save_skipped", eid=eid[:12], why="budget", need=raw_need)
+            return SaveReport(eid, valid, 0, 0, 0, 0, 0, 0, 0, len(evicted), False, "budget",
+                              dict(ms, total=_ms(t_all)))
+
+        written = 0
+        raw_written = 0
+        try:
+            fd = open_folder(eid, dir_fd=self.root_fd, create=True)
+        except OSError as exc:
+            raise SpillWriteFailed(eid, exc) from exc
+        try:
+            try:
+                # Removed first: from here until the new one is renamed into place the folder
+                # is a write that did not finish.
+                if _unlink(fd, MANIFEST):
+                    fsync_folder(fd)
+                with self._lock:
+                    self._index.pop(eid, None)
+                blocks: list[FileRecord] = []
+                view_list = list(state.views.items())
+                for a, b, prev, sums in plan:
+                    if prev is not None:
+                        blocks.append(prev)
+                        continue
+                    name = _file_name("blk", a, b, self.codec_version,
+                                      *(s for pair in sums for s in pair))
+                    rec, n, raw = self._write_file(
+                        fd, name, a, b, [(v.rows(a, b), s) for (_, v), s in zip(view_list, sums)],
+                        ms)
+                    blocks.append(rec)
+                    written += n
+                    raw_written += raw
+                anchor_recs: list[FileRecord] = []
+                t = time.perf_counter()
+                for line, prev, sums in anchor_plan:
+                    if prev is not None:
+                        anchor_recs.append(prev)
+                        continue
+                    name = _file_name("anc", line, self.codec_version,
+                                      *(s for pair in sums for s in pair))
+                    rec, n, raw = self._write_file(
+                        fd, name, 0, line, list(zip(anchor_secs[line].values(), sums)), ms)
+                    anchor_recs.append(rec)
+                    written += n
+                    raw_written += raw
+                end_rec: EndRecord | None = None
+                if end_keep is not None:
+                    end_rec = EndRecord(end_keep, end_meta)
+                elif end is not None:
+                    sums = _pairs(end_sums)
+                    name = _file_name("end", end.length, self.codec_version,
+                                      *(s for pair in sums for s in pair))
+                    rec, n, raw = self._write_file(
+                        fd, name, 0, end.length, list(zip(dict(end.sections).values(), sums)),
+                        ms)
+                    end_rec = EndRecord(rec, end_meta)
+                    written += n
+                    raw_written += raw
+                ms["anchors"] = _ms(t)
+                t = time.perf_counter()
+                fsync_folder(fd)  # the files' names, before the manifest that lists them
+                ms["fsync"] += _ms(t)
+
+                t = time.perf_counter()
+                m = Manifest(MANIFEST_VERSION, self.identity.fingerprint, G,
+                             str(meta.namespace), meta.session, valid, meta.taint, tokens,
+                             views, sections, blocks, anchor_recs, end_rec, now, meta.extra)
+                _write_small(fd, MANIFEST, manifest_bytes(m))
+                ms["manifest"] = _ms(t)
+                named = {f.name for f in m.files()}
+                for name in os.listdir(fd):
+                    if name != MANIFEST and name not in named:
+                        _unlink(fd, name)  # the files of the old manifest no longer listed
+            except BaseException as exc:
+                # The manifest is gone already: what is left is no entry, and goes now rather
+                # than at the next open.
+                log.warning("spill_write_failed", eid=eid[:12],
+                            errno=getattr(exc, "errno", None), error=type(exc).__name__)
+                os.close(fd)
+                fd = -1
+                try:
+                    self._remove(eid)
+                except OSError:
+                    pass  # the next open deletes a folder without a manifest
+                if isinstance(exc, OSError):
+                    raise SpillWriteFailed(eid, exc) from exc
+                raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        with self._lock:
+            self._index[eid] = _Indexed(m, now)
+        self._touch(eid, now)
+        ms["total"] = _ms(t_all)
+        report = SaveReport(eid, valid, num_blocks - kept_blocks, kept_blocks,
+                            len(anchor_plan) + (end_rec is not None) - kept_anchors,
+                            kept_anchors, written, raw_written, m.nbytes, len(evicted),
+                            end_kept_from_disk, "", ms)
+        log.info("spill_saved", eid=eid[:12], rows=valid, blocks_written=report.blocks_written,
+                 blocks_kept=kept_blocks, anchors_written=report.anchors_written,
+                 anchors_kept=kept_anchors, nbytes=written, raw_nbytes=raw_written,
+                 **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
+        return report
+
+    def _write_file(self, fd: int, name: str, start: int, stop: int,
+                    parts: list[tuple[torch.Tensor, tuple[int, int]]],
+                    ms: dict[str, float]) -> tuple[FileRecord, int, int]:
+        """One file of the buffers ``parts`` (each with its sums), each at a 4 KiB-aligned
+        offset, by one O_DIRECT write and an fsync. (record, bytes written, raw bytes)."""
+        raw_total = sum(round_up(t.numel() * t.element_size()) for t, _ in parts)
+        if self._stage.nbytes < raw_total:  # a stored block is never larger than its bytes
+            self._stage = aligned(raw_total)
+        stage = self._stage
+        out: list[Part] = []
+        at = 0
+        raw = 0
+        for tensor, (plain, weighted) in parts:
+            t = time.perf_counter()
+            nbytes = tensor.numel() * tensor.element_size()
+            raw += nbytes
+            target = memoryview(stage[at:at + nbytes])
+            if self.codec_version == CODEC_VERSION:
+                planes = cut_planes(tensor.detach()).cpu().numpy()
+                ms["copy"] += _ms(t)
+                t = time.perf_counter()
+                enc = self.codec.compress_planes(planes, tensor.dtype, list(tensor.shape),
+                                                 target)
+                ms["compress"] += _ms(t)
+            else:
+                enc = self.codec.encode(tensor, self.codec_version, target)
+                ms["copy"] += _ms(t)
+            stored = enc.header.nbytes
+            padded = round_up(stored)
+            stage[at + stored:at + padded] = 0
+            out.append(Part(at, enc.header, plain, weighted))
+            at += padded
+        t = time.perf_counter()
+        f = DirectFile.create(fd, name, self.direct)
+        try:
+            if at:
+                f.pwrite_from(stage[:at], 0)
+            ms["write"] += _ms(t)
+            t = time.perf_counter()
+            f.finish_write()
+            ms["fsync"] += _ms(t)
+        finally:
+            f.close()
+        return FileRecord(name, start, stop, at, out), at, raw
+
+    def _touch(self, eid: str, now: float) -> None:
+        """Mark the entry used at ``now``: its manifest's mtime, which a restart reads."""
+        with self._lock:
+            e = self._index.get(eid)
+            if e is not None:
+                e.last_used = now
+        try:
+            os.utime(os.path.join(self.root, eid, MANIFEST), (now, now), follow_symlinks=False)
+        except OSError:
+            pass
+
+    # -- offer ----------------------------------------------------------------------------
+
+    def offer(self, token_ids: Sequence[int], namespace: Namespace | str) -> SpillOffer | None:
+        """The entry of ``namespace`` that serves the most of the prompt: where it resumes
+        (its end when the prompt reaches it, else its highest anchor at or below the rows the
+        prompt shares), how far the tokens match, and what the read costs. None: no entry of
+        the namespace shares a row."""
+        with self._lock:
+            candidates = [(eid, e.manifest, e.last_used) for eid, e in self._index.items()
+                          if e.manifest.namespace == namespace]
+        best: SpillOffer | None = None
+        for eid, m, used in candidates:
+            matched = common_prefix(m.token_ids, token_ids)
+            if matched == 0:
+                continue
+            below = [a.stop for a in m.anchors if a.stop <= matched]
+            end_length = m.end.file.stop if m.end is not None else None
+            end_reached = end_length is not None and matched >= end_length
+            line = end_length if end_reached else (below[-1] if below else 0)
+            read = 0
+            if line:
+                read = sum(b.file_nbytes for b in m.blocks if b.start < line)
+                read += sum(f.file_nbytes for f in m.anchors)
+                read += m.end.file.file_nbytes if m.end is not None else 0
+            o = SpillOffer(eid, matched, m.valid, line, end_length, end_reached, below, read,
+                           m.end.meta if m.end is not None else None,
+                           m.taint, used)
+            if best is None or (o.line, o.matched, o.last_used) > (best.line, best.matched,
+                                                                   best.last_used):
+                best = o
+        return best
+
+    def token_ids(self, eid: str) -> list[int] | None:
+        """The entry's token ids (for the end alignment), None when there is no such entry."""
+        with self._lock:
+            e = self._index.get(eid)
+            return None if e is None else e.manifest.token_ids
+
+    # -- restore --------------------------------------------------------------------------
+
+    def restore(self, eid: str, state: CacheState, rows_in_place: Sequence[int], *,
+                line: int | None = None, now: float | None = None) -> RestoreReport:
+        """Write the entry back into ``state`` up to ``line`` (default: its end anchor, else its
+        highest grid anchor): every block below ``line`` the rows in place do not already hold,
+        and the sections at ``line``. Every block read is summed again before a row of it is
+        written, and every anchor before it is returned. On a bad file: ``SpillReadFailed``,
+        the entry deleted, the rows below ``intact_below`` untouched."""
+        t_all = time.perf_counter()
+        now = self.wall() if now is None else now
+        with self._lock:
+            e = self._index.get(eid)
+        if e is None:
+            raise SpillReadFailed("missing", eid, "no such entry", intact_below=len(rows_in_place))
+        m = e.manifest
+        ends = {a.stop: a for a in m.anchors}
+        if m.end is not None:
+            ends[m.end.file.stop] = m.end.file
+        if line is None:
+            line = m.end.file.stop if m.end is not None else max(ends, default=0)
+        if line not in ends:
+            raise ValueError(f"the entry has no anchor at {line}")
+        for name, v in state.views.items():
+            if v.tensor.shape[v.token_axis] < m.valid:
+                # the caller's window, not the entry: it stays for a state that holds it
+                raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
+        in_place = common_prefix(rows_in_place, m.token_ids)
+        G = self.grid
+        ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors"), 0.0)
+        todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
+        skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
+        intact_below = todo[0].start if todo else line
+        nbytes = 0
+        try:
+            # The layouts, before a byte is read: the state's views and sections against the
+            # manifest's, and every file's parts against the buffers they go into.
+            if _view_layouts(state) != m.views or _section_layouts(state.sections) != m.sections:
+                raise _Bad("layout", "the entry's buffers are not the state's")
+            for b in m.blocks:
+                _check_parts(b, [(v.dtype, _block_shape(v, b.stop - b.start)) for v in m.views])
+            for f in m.anchors + ([m.end.file] if m.end is not None else []):
+                _check_parts(f, [(s.dtype, s.shape) for s in m.sections])
+            fd = open_folder(eid, dir_fd=self.root_fd, create=False)
+            try:
+                view_list = list(state.views.values())
+                for b in todo:
+                    scratch = [torch.empty(_block_shape(lv, b.stop - b.start),
+                                           dtype=v.tensor.dtype, device=v.tensor.device)
+                               for lv, v in zip(m.views, view_list)]
+                    nbytes += self._read_file(fd, b, scratch, ms)
+                    t = time.perf_counter()
+                    for v, s in zip(view_list, scratch):
+                        v.rows(b.start, b.stop).copy_(s)
+                    ms["copy"] += _ms(t)
+                t = time.perf_counter()
+                anchors: dict[int, SectionsCopy] = {}
+                end_copy: SpillEnd | None = None
+                for f in m.anchors + ([m.end.file] if m.end is not None else []):
+                    copy = {s.name: torch.empty(s.shape, dtype=t0.dtype, device=t0.device)
+                            for s, t0 in zip(m.sections, state.sections.values())}
+                    nbytes += self._read_file(fd, f, list(copy.values()), ms)
+                    if m.end is not None and f is m.end.file:
+                        end_copy = SpillEnd(f.stop, copy, m.end.meta)
+                    else:
+                        anchors[f.stop] = SectionsCopy(copy)
+                ms["anchors"] = _ms(t)
+            finally:
+                os.close(fd)
+        except (_Bad, OSError, CodecError) as exc:
+            reason: Refusal = exc.reason if isinstance(exc, _Bad) else (
+                "codec" if isinstance(exc, CodecError) else
+                "missing" if isinstance(exc, FileNotFoundError) else "io")
+            log.warning("spill_restore_failed", eid=eid[:12], why=reason)
+            self.delete(eid)
+            raise SpillReadFailed(reason, eid, str(exc), intact_below) from None
+        source = end_copy.sections if (m.end is not None and line == m.end.file.stop) \
+            else anchors[line].tensors
+        for name, t in state.sections.items():
+            t.copy_(source[name])
+        self._touch(eid, now)
+        ms["total"] = _ms(t_all)
+        taint = m.taint if m.taint is not None and m.taint < line else None
+        report = RestoreReport(eid, line, m.token_ids[:line], taint, len(todo), skipped,
+                               nbytes, anchors, end_copy, ms)
+        log.info("spill_restored", eid=eid[:12], line=line, blocks_read=len(todo),
+                 blocks_in_place=skipped, nbytes=nbytes,
+                 **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
+        return report
+
+    def _read_file(self, fd: int, rec: FileRecord, outs: list[torch.Tensor],
+                   ms: dict[str, float]) -> int:
+        """Read ``rec`` whole, decode each part into its ``outs`` buffer (where the rows are)
+        and sum it there; raise ``_Bad`` when a sum is not the manifest's."""
+        t = time.perf_counter()
+        try:
+            f = DirectFile.open_read(fd, rec.name, self.direct)
+        except RefusedEntry as exc:
+            raise _Bad("missing", f"{rec.name[:8]}: {exc.strerror}") from None
+        try:
+            if f.size != rec.file_nbytes:
+                raise _Bad("layout", f"{rec.name[:8]}: {f.size} bytes, not {rec.file_nbytes}")
+            buf = aligned(rec.file_nbytes)
+            if rec.file_nbytes and f.pread_into(buf, 0) != rec.file_nbytes:
+                raise _Bad("layout", f"{rec.name[:8]}: cut")
+        finally:
+            f.close()
+        ms["read"] += _ms(t)
+        for part, out in zip(rec.parts, outs):
+            t = time.perf_counter()
+            data = memoryview(buf[part.offset:part.offset + part.header.nbytes])
+            self.codec.decode(data, part.header, out)
+            ms["decode"] += _ms(t)
+            t = time.perf_counter()
+            got = _pairs(host_sums(block_sums(out).unsqueeze(0)))[0]
+            ms["sums"] += _ms(t)
+            if got != (part.plain, part.weighted):
+                raise _Bad("sums", f"{rec.name[:8]}: a part's sums are not the manifest's")
+        return rec.file_nbytes
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+def make_session_spill(config: Any, identity: Identity, grid: int) -> SessionSpill:
+    """The server's spill from ``config.spill``, under the disk tier's folder (``sessions/``),
+    with the tier's identity; opened."""
+    s = config.spill
+    spill = SessionSpill(config.disk_cache_path() / "sessions", identity, grid,
+                         budget_nbytes=int(s.session_spill_gb * GB))
+    spill.open()
+    return spill
+
+
+def _ms(t: float) -> float:
+    return (time.perf_counter() - t) * 1000.0
+
+
+def _pairs(sums: np.ndarray) -> list[tuple[int, int]]:
+    return [(int(p), int(w)) for p, w in sums]
+
+
+def _tensors(sections: SectionsCopy | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return dict(getattr(sections, "tensors", sections))
+
+
+def _view_layouts(state: CacheState) -> list[ViewLayout]:
+    out = []
+    for name, v in state.views.items():
+        axis = v.token_axis % v.tensor.dim()
+        shape = [0 if i == axis else d for i, d in enumerate(v.tensor.shape)]
+        out.append(ViewLayout(name, _dtype_name(v.tensor.dtype), shape, axis))
+    return out
+
+
+def _section_layouts(sections: Mapping[str, torch.Tensor]) -> list[SectionLayout]:
+    return [SectionLayout(name, _dtype_name(t.dtype), list(t.shape))
+            for name, t in sections.items()]
+
+
+def _block_shape(v: ViewLayout, rows: int) -> list[int]:
+    return [rows if i == v.token_axis else d for i, d in enumerate(v.shape)]
+
+
+def _rows_nbytes(v, rows: int) -> int:
+    t = v.tensor
+    return t.numel() // t.shape[v.token_axis] * rows * t.element_size()
+
+
+def _sections_nbytes(sections: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in dict(sections).values())
+
+
+def _check_parts(rec: FileRecord, want: list[tuple[str, list[int]]]) -> None:
+    """A file's parts are the buffers they go into (dtype, shape), in order, and tile the file
+    at 4 KiB-aligned offsets."""
+    if len(rec.parts) != len(want):
+        raise _Bad("layout", f"{rec.name[:8]}: {len(rec.parts)} parts, not {len(want)}")
+    at = 0
+    for p, (dtype, shape) in zip(rec.parts, want):
+        try:
+            p.header.check()
+        except CodecError as exc:
+            raise _Bad("layout", f"{rec.name[:8]}: {exc}") from None
+        if p.header.dtype != dtype or p.header.shape != list(shape) or p.offset != at:
+            raise _Bad("layout", f"{rec.name[:8]}: a part of {p.header.dtype} "
+                                 f"{p.header.shape} where {dtype} {shape} goes")
+        at += round_up(p.header.nbytes)
+    if at != rec.file_nbytes:
+        raise _Bad("layout", f"{rec.name[:8]}: parts do not tile the file")
+
+
+def _consistent(m: Manifest) -> bool:
+    """The manifest describes one conversation: its blocks tile [0, valid) in steps of the
+    grid, its anchors lie on the grid at or below valid, its names are ours."""
+    if not 0 < m.valid == len(m.token_ids) or len(m.blocks) != -(-m.valid // m.grid):
+        return False
+    for k, b in enumerate(m.blocks):
+        if (b.start, b.stop) != (k * m.grid, min((k + 1) * m.grid, m.valid)):
+            return False
+    if any(not 0 < a.stop <= m.valid or a.stop % m.grid for a in m.anchors):
+        return False
+    if m.end is not None and not 0 < m.end.file.stop <= m.valid:
+        return False
+    return all(_is_file_name(f.name) for f in m.files())
+
+
+def _regular(st: os.stat_result) -> bool:
+    import stat as _stat
+    return _stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def _unlink(fd: int, name: str) -> bool:
+    try:
+        os.unlink(name, dir_fd=fd)
+        return True
+    except FileNotFoundError:
+        return False
+    except IsADirectoryError:
+        return False
+
+
+def _read_small(fd: int, name: str) -> tuple[bytes, float]:
+    """A small file of the entry (no symlink followed, a regular file of ours) and its mtime."""
+    try:
+        f = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                    dir_fd=fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise RefusedEntry(exc.errno, "a symlink", name) from None
+        raise
+    try:
+        st = os.fstat(f)
+        if not _regular(st) or st.st_size > MAX_MANIFEST_NBYTES:
+            raise RefusedEntry(errno.EINVAL, "not a manifest", name)
+        chunks = []
+        while True:
+            b = os.read(f, 1 << 20)
+            if not b:
+                break
+            chunks.append(b)
+        return b"".join(chunks), st.st_mtime
+    finally:
+        os.close(f)
+
+
+def _write_small(fd: int, name: str, data: bytes) -> None:
+    """Replace ``name`` atomically: tmp (0600), fsync, rename, fsync of the folder."""
+    tmp = name + TMP
+    f = DirectFile.create(fd, tmp, direct=False)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(f.fd, view):]
+        f.finish_write()
+    finally:
+        f.close()
+    os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    fsync_folder(fd)
