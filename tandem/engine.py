@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
@@ -530,34 +530,22 @@ class Engine:
         del self.token_ids[pending.start + count + 1:]
 
     def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 on_token: Callable[[int], bool] | None = None,
-                 should_cancel: Callable[[], bool] | None = None,
-                 on_chunk: Callable[[int], None] | None = None,
-                 force: Callable[[list[int]], int | None] | None = None,
-                 draft: Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 0,
-                 on_logprobs: Callable[[TokenLogprob], None] | None = None,
-                 on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
-                 on_prefill: Callable[[torch.Tensor], None] | None = None,
-                 logits: torch.Tensor | None = None) -> GenerationResult:
-        """``generate_steps`` run to its end, every decode step alone."""
-        return run_steps(self.generate_steps(
-            prompt_ids, params, on_token=on_token, should_cancel=should_cancel,
-            on_chunk=on_chunk, force=force, draft=draft, draft_max=draft_max,
-            on_logprobs=on_logprobs, on_prompt_logprobs=on_prompt_logprobs,
-            on_prefill=on_prefill, logits=logits))
+                 **options: Any) -> GenerationResult:
+        """``generate_steps`` run to its end, every decode step alone (its keyword options)."""
+        return run_steps(self.generate_steps(prompt_ids, params, **options))
 
     def generate_steps(self, prompt_ids: Sequence[int], params: SamplingParams,
-                 on_token: Callable[[int], bool] | None = None,
-                 should_cancel: Callable[[], bool] | None = None,
-                 on_chunk: Callable[[int], None] | None = None,
-                 force: Callable[[list[int]], int | None] | None = None,
-                 draft: Callable[[list[int], int], list[int]] | None = None,
-                 draft_max: int = 0,
-                 on_logprobs: Callable[[TokenLogprob], None] | None = None,
-                 on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
-                 on_prefill: Callable[[torch.Tensor], None] | None = None,
-                 logits: torch.Tensor | None = None) -> Generator["Step", torch.Tensor | None, GenerationResult]:
+                       on_token: Callable[[int], bool] | None = None,
+                       should_cancel: Callable[[], bool] | None = None,
+                       on_chunk: Callable[[int], None] | None = None,
+                       force: Callable[[list[int]], int | None] | None = None,
+                       draft: Callable[[list[int], int], list[int]] | None = None,
+                       draft_max: int = 0,
+                       on_logprobs: Callable[[TokenLogprob], None] | None = None,
+                       on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+                       on_prefill: Callable[[torch.Tensor], None] | None = None,
+                       logits: torch.Tensor | None = None
+                       ) -> Generator["Step", torch.Tensor | None, GenerationResult]:
         """Prefill the prompt (resuming over the rows in place it shares), then decode. A
         generator of `Step`s: `CHUNK` between prefill chunks, and a `DecodeStep` for each
         token to forward, which is sent back its logits (``run_steps`` forwards it alone,

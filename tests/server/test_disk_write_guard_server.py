@@ -5,20 +5,10 @@ the server writes nothing to the tier, answers as before, and counts and journal
 import json
 
 import aiohttp
-import msgspec
+from test_disk_cache_server import HEAD, _config
 
-from tandem.config import DiskConfig, SpeculationConfig
 from tandem.server.app import build_app
 from tandem.server.keys import CACHE_STATS
-
-HEAD = "You are a careful assistant who keeps a ledger of words. " * 30
-
-
-def _config(make_config, **disk):
-    config = make_config(window=4096)
-    return msgspec.structs.replace(
-        config, speculation=SpeculationConfig(speculation="off"),
-        disk=DiskConfig(disk_cache_min_free_gb=0, disk_cache_min_tokens=128, **disk))
 
 
 async def _complete(server, sdk, prompt: str):
