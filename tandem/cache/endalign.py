@@ -72,6 +72,27 @@ CALL_CLOSE = b"</tool_call>"
 THINK_CLOSE = b"</think>"
 
 TokenBytes = Callable[[int], "bytes | None"]
+# ``split(token_id, rest)``: the tokens of ``rest``, the bytes of the copy's token ``token_id``
+# after the rows end inside it, or None where they cannot stand for it (a special token, bytes
+# that are no text).
+SplitToken = Callable[[int, bytes], "list[int] | None"]
+
+
+def token_splitter(encode_text: Callable[[str], list[int]],
+                   special_ids: Iterable[int]) -> SplitToken:
+    """The ``split`` of a tokenizer: an ordinary token's rest encoded as text."""
+    specials = frozenset(special_ids)
+
+    def split(token_id: int, rest: bytes) -> list[int] | None:
+        if token_id in specials:
+            return None
+        try:
+            text = rest.decode("utf-8")
+        except UnicodeDecodeError:
+            return None  # the rows end inside a character
+        return list(encode_text(text))
+
+    return split
 Mode = Literal["exact", "glue", "calls", "reasoning"]
 
 
@@ -217,8 +238,10 @@ class EndRecord:
 
 @dataclass(frozen=True)
 class Alignment:
-    """``served``: the prompt the engine runs, ``record.rows + prompt[cut:]``; ``cut``: where the
-    client's prompt goes on after the rows; ``mode``: the pass that aligned it;
+    """``served``: the prompt the engine runs, ``record.rows + prompt[cut:]`` (with, where the
+    rows end inside a token of the copy, the tokens of that token's rest between them);
+    ``cut``: where the client's prompt goes on after the rows; ``mode``: the pass that aligned
+    it;
     ``replayed_hidden``: hidden tokens served that the copy lacked; ``replayed_reasoning``:
     reasoning tokens (not hidden) served that the copy lacked."""
 
@@ -230,11 +253,15 @@ class Alignment:
 
 
 def align(record: EndRecord, prompt: Sequence[int], token_bytes: TokenBytes, *,
-          allow_glue: bool = True, allow_reasoning: bool = True) -> Alignment | None:
+          allow_glue: bool = True, allow_reasoning: bool = True,
+          split: SplitToken | None = None) -> Alignment | None:
     """Whether ``prompt`` (the client's copy, tokenized) continues ``record``'s rows, and the
     prompt to serve so that the engine resumes at the end anchor; None when no pass aligns it.
     ``token_bytes(id)``: a token's bytes (a special token's text; None counts as no bytes).
-    ``allow_glue``/``allow_reasoning``: off switches for the second and third pass."""
+    ``allow_glue``/``allow_reasoning``: off switches for the second and third pass.
+    ``split``: where the rows end inside a token of the copy (an answer cut by ``max_tokens``
+    inside a word: the rows end ` besondere`, the copy reads ` besonder` `el` `icas`), that
+    token's rest re-encoded is served after the rows; None: such a copy does not align."""
     rows = record.rows
     n = len(rows)
     prompt = prompt if isinstance(prompt, list) else list(prompt)
@@ -250,11 +277,11 @@ def align(record: EndRecord, prompt: Sequence[int], token_bytes: TokenBytes, *,
         passes += [(True, False)] + ([(True, True)] if calls else [])
     for reasoning_pass, values in passes:
         found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=reasoning_pass,
-                            values=values)
+                            values=values, split=split)
         if found is not None:
-            cut, hidden, reasoning = found
+            cut, hidden, reasoning, rest = found
             mode: Mode = "reasoning" if reasoning else "calls" if values else "glue"
-            return Alignment(rows + prompt[cut:], cut, mode, hidden, reasoning)
+            return Alignment(rows + rest + prompt[cut:], cut, mode, hidden, reasoning)
     return None
 
 
@@ -351,10 +378,12 @@ def _runs(positions: Iterable[int]) -> list[tuple[int, int]]:
 
 
 def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
-                token_bytes: TokenBytes, reasoning: bool,
-                values: bool = False) -> tuple[int, int, int] | None:
-    """One byte-stream pass; (cut, hidden tokens replayed, reasoning tokens replayed) or None.
-    ``values``: tool calls compared by value (the ``calls`` pass).
+                token_bytes: TokenBytes, reasoning: bool, values: bool = False,
+                split: SplitToken | None = None
+                ) -> tuple[int, int, int, list[int]] | None:
+    """One byte-stream pass; (cut, hidden tokens replayed, reasoning tokens replayed, the
+    tokens served between the rows and ``prompt[cut:]``) or None. ``values``: tool calls
+    compared by value (the ``calls`` pass); ``split``: as for :func:`align`.
 
     Rows ``[0, s)`` are the prompt's own tokens (s at most the first differing token), so spans
     and regions wholly before ``s`` are in the copy as they are, and only the streams from ``s``
@@ -418,15 +447,19 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
             return None
     if reasoning and replay_reasoning == 0:
         return None  # the glue pass has said so already
-    # The match must end at a prompt token boundary.
+    # The match must end at a prompt token boundary, or inside a token whose rest ``split``
+    # re-encodes.
     if pos == 0:
         cut = s
     else:
         cum = list(accumulate(map(len, tail)))
         k = bisect_left(cum, pos)
-        if cum[k] != pos:
-            return None
         cut = s + k + 1
+        if cum[k] != pos:
+            rest = _rest_of(prompt[s + k], pos - (cum[k] - len(tail[k])), token_bytes, split)
+            if rest is None:
+                return None
+            return cut, replay_hidden, replay_reasoning, rest
     # Whitespace-only tokens the rows end with: the copy's same whitespace is not served twice.
     trail = bytearray()
     i = n
@@ -442,4 +475,20 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
             break
         have += raw
         cut += 1
-    return cut, replay_hidden, replay_reasoning
+    return cut, replay_hidden, replay_reasoning, []
+
+
+def _rest_of(token_id: int, matched: int, token_bytes: TokenBytes,
+             split: SplitToken | None) -> list[int] | None:
+    """The tokens of a copy's token after its first ``matched`` non-whitespace bytes (the rows
+    end there), or None when ``split`` cannot make them."""
+    if split is None:
+        return None
+    raw = token_bytes(token_id) or b""
+    i = seen = 0
+    while seen < matched:
+        if raw[i] not in WHITESPACE:
+            seen += 1
+        i += 1
+    rest = split(token_id, raw[i:])
+    return rest if rest else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
-from tandem.cache.endalign import Alignment, EndRecord, align
+from tandem.cache.endalign import Alignment, EndRecord, SplitToken, align
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import ResidentPrefix
 
@@ -30,7 +30,7 @@ class EndRecords:
     def __init__(self, resident: ResidentPrefix | None,
                  token_bytes: Callable[[int], bytes | None], *, allow_reasoning: bool = True,
                  holds: Callable[[list[int], Namespace], bool] | None = None,
-                 store_backed: bool = False) -> None:
+                 store_backed: bool = False, split: SplitToken | None = None) -> None:
         """``holds(rows, namespace)``: whether the state store holds a session snapshot of
         exactly these rows in that namespace (None: no store). A client's copy that aligns
         with a recent turn's record is served as that record's rows only when it does, so the
@@ -44,6 +44,7 @@ class EndRecords:
         self.allow_reasoning = allow_reasoning
         self.holds = holds
         self.store_backed = store_backed or holds is not None
+        self.split = split  # tandem.cache.endalign.align's: a copy's token the rows end inside
         self.record: EndRecord | None = None  # of the end in place
         self._record_namespace: Namespace = SHARED  # of the rows ``record`` was made over
         self.parked_record: EndRecord | None = None  # of the parked end
@@ -124,7 +125,8 @@ class EndRecords:
         return record is not None and self._align(record, prompt) is not None
 
     def _align(self, record: EndRecord, prompt: list[int]) -> Alignment | None:
-        alignment = align(record, prompt, self.token_bytes, allow_reasoning=self.allow_reasoning)
+        alignment = align(record, prompt, self.token_bytes, allow_reasoning=self.allow_reasoning,
+                          split=self.split)
         if alignment is not None and len(alignment.served) > len(record.rows):
             return alignment
         return None

@@ -30,6 +30,7 @@ from tandem.actors.tiers import ParkActor, ResidentActor
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import (PARK_LEVELS, RESIDENT_LEVELS, Accounts, MemoryAccountant,
                                  Share)
+from tandem.cache.endalign import token_splitter
 from tandem.cache.endrecords import EndRecords
 from tandem.cache.resident import ResidentPrefix, make_holdings
 from tandem.cache.response import ResponseCache
@@ -119,6 +120,9 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                 if c.end_align:
                     # The end records are the resident's, beside the ends they describe.
                     held.records = EndRecords(None, loaded.tokenizer.token_bytes,
+                                              split=token_splitter(
+                                                  loaded.tokenizer.encode_text,
+                                                  loaded.tokenizer.special_ids.values()),
                                               allow_reasoning=c.end_align_reasoning,
                                               store_backed=store is not None)
                 slots.append(held)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tandem.cache.endalign import (
-    THINK_CLOSE_ID, EndRecord, Region, align, common_prefix)
+    THINK_CLOSE_ID, EndRecord, Region, align, common_prefix, token_splitter)
 from tandem.models.chat import render_chat
 from tandem.models.reasoning_budget import ReasoningBudget
 from tandem.models.tokenizer import load_tokenizer, write_qwen_tokenizer
@@ -278,15 +278,41 @@ def test_a_copy_that_changes_the_user_text_before_the_answer_does_not_align(tok)
         assert align(record, copy, tok.token_bytes) is None
 
 
-def test_a_match_that_ends_inside_a_prompt_token_does_not_align(tok):
-    # the rows end " ... is Par", the copy's " Paris" is one token: no cut falls there
+def _inside_a_token(tok):
+    # the rows end " ... is Par" (an answer cut by max_tokens inside a word), the copy's
+    # " Paris" is one token: no cut between the copy's tokens falls where the rows end
     prompt1 = enc(tok, render_chat([SYSTEM, USER]))
     gen = gen_tokens(tok, REASONING, "The capital of France is") + tok.encode(" Par")
     record = EndRecord.after_turn(None, prompt1, gen)
     copy = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "reasoning_content": REASONING,
                                         "content": "The capital of France is Paris"}, FOLLOW])
     assert tok.encode(" Paris") == [11751]
+    return record, copy
+
+
+def test_a_match_that_ends_inside_a_prompt_token_does_not_align_without_a_splitter(tok):
+    record, copy = _inside_a_token(tok)
     assert align(record, copy, tok.token_bytes) is None
+
+
+def test_a_match_that_ends_inside_a_prompt_token_serves_the_tokens_rest_after_the_rows(tok):
+    record, copy = _inside_a_token(tok)
+    split = token_splitter(tok.encode_text, tok.special_ids.values())
+    al = align(record, copy, tok.token_bytes, split=split)
+    assert al is not None and al.mode == "glue"
+    k = len(copy) - 1 - copy[::-1].index(11751)  # the answer's " Paris" (the reasoning has one)
+    rest = tok.encode_text("is")
+    assert al.served == record.rows + rest + copy[k + 1:] and al.cut == k + 1
+    # the text the engine reads is the copy's text
+    assert tok.decode(al.served) == tok.decode(copy)
+
+
+def test_a_special_token_or_a_broken_character_is_never_split(tok):
+    split = token_splitter(tok.encode_text, tok.special_ids.values())
+    think = tok.special_ids["</think>"]
+    assert split(think, b"think>") is None
+    assert split(11751, "\u00e9".encode()[1:]) is None  # the rows end inside "é"
+    assert split(11751, b"is") == tok.encode_text("is")
 
 
 def test_a_copy_shorter_than_the_rows_does_not_align(tok):
