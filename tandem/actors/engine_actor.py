@@ -1,18 +1,25 @@
 """The engine actor: the only owner of the Engine, running all its torch work on one thread.
 
-The event loop never runs torch: the Engine is built and every generation runs on a single-worker
-ThreadPoolExecutor the actor owns. The thread hands each token to the loop with
-``loop.call_soon_threadsafe``; the loop delivers it to the request's sink. The actor's handler only
-queues, cancels and grants, so a `CancelGeneration` or a lock request is handled while a
-generation runs.
+The event loop never runs torch: the engines (one a slot) are built and every generation runs on
+a single-worker ThreadPoolExecutor, where a scheduler runs while there is work (``_schedule``):
+each round, one grid chunk of the one prefill in flight, then every waiting decode step as one
+batched forward, then the ends the cache gate lets through. Each generation is a generator of
+the engine's steps (tandem.engine.Engine.generate_steps). The thread hands each token to the
+loop with ``loop.call_soon_threadsafe``; the loop delivers it to the request's sink. The actor's
+handler only queues, cancels and grants, so a `CancelGeneration` or a lock request is handled
+while generations run. A request's plan is made on the loop (``_prepare``), one at a time, while
+the other slots decode.
 
 The capture lock: one FIFO of holders (tandem.actors.capture_lock, a pure class), the
-engine's own generations and outside holders (`RequestCaptureLock`) in arrival order. The
-engine holds the lock for each generation it runs; an outside holder holds it from
-`CaptureLockGranted` to its `ReleaseCaptureLock`.
+engine's generations and outside holders (`RequestCaptureLock`) in arrival order. The running
+generations hold it as one group, which a request behind them joins while a slot is idle and no
+outside holder waits ahead of it; an outside holder gets it between two of the scheduler's
+rounds (the generations pause) and holds it from `CaptureLockGranted` to its
+`ReleaseCaptureLock`.
 
-Invariants (`check_invariants`): at most one holder; a generation runs iff it is the holder; the
-FIFO holds no request twice; `waiting` counts the generations in the FIFO.
+Invariants (`check_invariants`): at most one holder; generations run only while their group
+holds the lock or is paused for an outside holder; no more of them than slots, none two in one
+slot; the FIFO holds no request twice; `waiting` counts the generations in the FIFO.
 
 What the loop shows of the engine (``view``, ``cache_stats``) the loop alone writes: the engine
 thread hands each value over with ``call_soon_threadsafe`` (the tokens it posts, the rows and
@@ -558,8 +565,8 @@ class EngineActor(Actor):
         self.cache_stats = {"tiers": {"resident": merged}}
 
     def _to_loop(self, callback: Callable[..., None], *args: Any) -> None:
-        """From the engine thread: ``callback(*args)`` on the loop, ahead of the running job's
-        end (the executor's future is completed through the loop after it)."""
+        """From the engine thread: ``callback(*args)`` on the loop, ahead of the job's end (which
+        is posted the same way, after it)."""
         assert self._loop is not None
         try:
             self._loop.call_soon_threadsafe(callback, *args)
