@@ -52,7 +52,7 @@ import structlog
 
 from tandem.cache.namespace import Namespace
 from tandem.io.chain import Key, chain_keys
-from tandem.io.direct import DirectFile, fsync_folder
+from tandem.io.direct import write_atomic_at
 from tandem.io.tierfile import FileKind
 from tandem.io.tierindex import TierIndex
 
@@ -402,24 +402,8 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     new one, and at most a ``.tmp`` the next write replaces."""
     path = Path(path)
     folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    tmp = path.name + TMP
     try:
-        f = DirectFile.create(folder, tmp, direct=False)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(f.fd, view):]
-            f.finish_write()
-        except BaseException:
-            f.close()
-            try:
-                os.unlink(tmp, dir_fd=folder)
-            except OSError:
-                pass
-            raise
-        f.close()
-        os.rename(tmp, path.name, src_dir_fd=folder, dst_dir_fd=folder)
-        fsync_folder(folder)
+        write_atomic_at(folder, path.name, data)
     finally:
         os.close(folder)
 

@@ -205,3 +205,26 @@ def _refused(exc: OSError, name: str) -> OSError:
 
 def fsync_folder(dir_fd: int) -> None:
     os.fsync(dir_fd)
+
+
+def write_atomic_at(dir_fd: int, name: str, data: bytes, tmp_suffix: str = ".tmp") -> None:
+    """Replace ``name`` in the folder ``dir_fd`` with ``data``: written to ``name + tmp_suffix``
+    (0600, no symlink followed), fsynced, renamed over it, and the folder fsynced, so a crash
+    leaves the old file or the new one, and at most the temp, which a failure deletes."""
+    tmp = name + tmp_suffix
+    f = DirectFile.create(dir_fd, tmp, direct=False)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(f.fd, view):]
+        f.finish_write()
+    except BaseException:
+        f.close()
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
+    f.close()
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    fsync_folder(dir_fd)

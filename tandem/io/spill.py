@@ -67,6 +67,7 @@ import torch
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.namespace import Namespace
 from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, open_folder,
+                              write_atomic_at,
                               round_up)
 from tandem.io.fingerprint import Identity
 from tandem.io.spill_codec import (CODEC_VERSION, BlockHeader, CodecError, SpillCodec,
@@ -686,7 +687,7 @@ class SessionSpill:
                 m = Manifest(MANIFEST_VERSION, self.identity.fingerprint, G,
                              str(meta.namespace), meta.session, valid, meta.taint, tokens,
                              views, sections, blocks, anchor_recs, end_rec, now, meta.extra)
-                _write_small(fd, MANIFEST, manifest_bytes(m))
+                write_atomic_at(fd, MANIFEST, manifest_bytes(m), TMP)
                 ms["manifest"] = _ms(t)
                 named = {f.name for f in m.files()}
                 for name in os.listdir(fd):
@@ -845,7 +846,6 @@ class SessionSpill:
                 # the caller's window, not the entry: it stays for a state that holds it
                 raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
         in_place = common_prefix(rows_in_place, m.token_ids)
-        G = self.grid
         ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors"), 0.0)
         todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
         skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
@@ -1062,16 +1062,3 @@ def _read_small(fd: int, name: str) -> tuple[bytes, float]:
         os.close(f)
 
 
-def _write_small(fd: int, name: str, data: bytes) -> None:
-    """Replace ``name`` atomically: tmp (0600), fsync, rename, fsync of the folder."""
-    tmp = name + TMP
-    f = DirectFile.create(fd, tmp, direct=False)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(f.fd, view):]
-        f.finish_write()
-    finally:
-        f.close()
-    os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
-    fsync_folder(fd)
