@@ -270,6 +270,13 @@ class SpillConfig(_Section):
     session_spill_min_tokens: Annotated[int, Meta(ge=0, description=(
         "A conversation leaving its slot is written to the spill, when the RAM park cannot "
         "hold it, from this many tokens."))] = 16384
+    session_spill: Annotated[Literal["off", "on"], Meta(description=(
+        "The session spill (with the disk tier on): on writes whole conversations to the "
+        "NVMe at a planned stop and as they leave RAM, and reads them back; off: nothing of "
+        "it runs."))] = "on"
+    session_spill_park_min_tokens: Annotated[int, Meta(ge=0, description=(
+        "A conversation parked in RAM is written to the spill as it is parked, from this "
+        "many tokens, so that the park may give it up."))] = 4096
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
