@@ -17,9 +17,15 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 MAX_WAIT_S = 30.0  # the longest either side waits for the other
+
+
+class FileTurn(NamedTuple):
+    waited: bool  # a save was running when the file came
+    ms: float
+    capped: bool  # the save outlasted the wait's cap: the file went anyway
 
 
 class IoTurns:
@@ -54,14 +60,15 @@ class IoTurns:
                 self._cond.notify_all()
 
     @contextmanager
-    def file(self, max_wait_s: float | None = None) -> Iterator[tuple[float, bool]]:
+    def file(self, max_wait_s: float | None = None) -> Iterator[FileTurn]:
         """The disk writer's side, around one file: waits while a save runs (at most
-        ``max_wait_s``, default the turns') and yields (ms waited, whether the cap cut it)."""
+        ``max_wait_s``, default the turns') and yields how it went."""
         cap = self.max_wait_s if max_wait_s is None else max_wait_s
         t = time.perf_counter()
         with self._cond:
             capped = False
-            if self._saves:
+            waited = self._saves > 0
+            if waited:
                 self.file_waiting.set()
                 try:
                     capped = not self._cond.wait_for(lambda: self._saves == 0, cap)
@@ -70,7 +77,7 @@ class IoTurns:
             self._files += 1
         waited_ms = (time.perf_counter() - t) * 1000.0
         try:
-            yield waited_ms, capped
+            yield FileTurn(waited, waited_ms, capped)
         finally:
             with self._cond:
                 self._files -= 1
