@@ -133,10 +133,15 @@ class SpillWriterActor(Actor):
                 raise TypeError(f"{self.name} does not handle {type(msg).__name__}")
         return None
 
+    @property
+    def on(self) -> bool:
+        """Whether there is a spill to write (False before the start resolved it)."""
+        return isinstance(self.spill, SessionSpill)
+
     def report(self) -> dict[str, Any]:
         """The writer's counters and the spill's index (its own lock): /v1/cache/stats,
         /metrics and the console read it on the loop."""
-        if self.spill is None:
+        if not self.on:
             return {"on": False}
         c = self.counters
         return {"on": True, **self.spill.statistics(),
@@ -178,7 +183,7 @@ class SpillWriterActor(Actor):
         self.last_save = {"reason": msg.reason, "rows": report.valid,
                           "nbytes": report.nbytes_written, "entry_nbytes": report.entry_nbytes,
                           "blocks_written": report.blocks_written,
-                          "blocks_kept": report.blocks_kept, "at": time.time(),
+                          "blocks_kept": report.blocks_kept, "at": self.clock.wall_time(),
                           "ms": {k: round(v, 2) for k, v in report.ms.items()}}
         return SpillSaved(msg.entry_id, "", report, dict(report.ms))
 
