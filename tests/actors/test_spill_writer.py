@@ -32,7 +32,7 @@ from tandem.io import write_guard
 from tandem.io.fingerprint import Identity
 from tandem.io.spill import EntryMeta, SessionSpill, SpillEnd, session_digest
 from tandem.io.turns import IoTurns
-from tandem.io.write_guard import GB, WriteGuard
+from tandem.io.write_guard import WriteGuard
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
 
