@@ -94,6 +94,7 @@ async def test_side_requests_longer_than_the_chat_leave_its_next_turn_at_its_end
     journal = [json.loads(line) for line in config.journal_path().read_text().splitlines()]
     async with serve(build_app(config, small_loaded)) as server:
         _, _, alone = await _open_webui(sdk(server), tasks=False, chat_id=chat_id)
+        stats_alone = await server.app[CACHE_STATS]()
     unmarked = make_config(allow_forced_output=True, window=2048, parallel=parallel,
                            side_requests=False)
     async with serve(build_app(unmarked, small_loaded)) as server:
@@ -114,8 +115,13 @@ async def test_side_requests_longer_than_the_chat_leave_its_next_turn_at_its_end
     assert _said(second) == _said(alone)
     # The greedy gate for the side requests: the same answers without the rule.
     assert [_said(r) for r in side] == [_said(r) for r in side_unmarked]
-    # Kept nothing: no park, no store snapshot of theirs.
+    # Kept nothing: no park, no store snapshot of theirs (the prefix snapshots are the lone
+    # chat's; one session put decided a chat turn, none a side request), each a guest.
     assert stats["owners"]["park"]["parks"] == 0
+    store, store_alone = stats["tiers"]["store"], stats_alone["tiers"]["store"]
+    assert store["prefix_puts"] == store_alone["prefix_puts"]
+    assert store["session_puts"] + store["declined_short"] + store["declined_big"] == 2
+    assert stats["tiers"]["resident"]["guests"] == len(side)
     rows = [row for row in journal if row.get("route") == "chat"]
     assert [bool((row.get("extra") or {}).get("side")) for row in rows] \
         == [False, True, True, True, True, False]
