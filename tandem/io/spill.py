@@ -1017,7 +1017,7 @@ class _WritePipe:
     caller's thread) and written from it (on ``_io``), so that file k+1 is encoded while file k
     is written. A stage is taken again only once its write has finished, and a failed write's
     error is raised there, at the next stage taken, or by ``drain``: a save goes on past a
-    failed write by one file's encoding at most. Without the overlap, ``put`` writes on the
+    failed write by one file's encoding at most, and writes nothing after it. Without the overlap, ``put`` writes on the
     caller's thread."""
 
     def __init__(self, spill: SessionSpill, fd: int):
@@ -1051,8 +1051,13 @@ class _WritePipe:
         self._writes.append(fut)
 
     def _write(self, name: str, data: np.ndarray) -> None:
-        if not self._stopped:
+        if self._stopped:
+            return
+        try:
             self.spill._put_file(self.fd, name, data, self.ms)
+        except BaseException:
+            self._stopped = True  # the files queued behind a failed write are not written
+            raise
 
     def drain(self) -> None:
         """Wait for every write; raise the first one's error."""
