@@ -59,7 +59,8 @@ from tandem.config import load_config  # noqa: E402
 from tandem.engine import Engine  # noqa: E402
 from tandem.io.direct import DirectFile, aligned, open_folder, round_up  # noqa: E402
 from tandem.io.fingerprint import Identity  # noqa: E402
-from tandem.io.spill import ANCHORS_KEPT, EntryMeta, SessionSpill, SpillEnd, session_digest  # noqa: E402
+from tandem.io.spill import (ANCHORS_KEPT, EntryMeta, SessionSpill, SpillEnd,  # noqa: E402
+                             session_digest)
 from tandem.io.spill_codec import SpillCodec  # noqa: E402
 from tandem.kernels.blocksums import view_block_sums  # noqa: E402
 from tandem.kernels.planes import cut_planes  # noqa: E402
@@ -209,7 +210,8 @@ def raw_read_s(folder: Path, nbytes: int, repeats: int) -> tuple[float, bool]:
 def spill_part(args, models_dir: Path) -> None:
     grid = PREFIX_CHUNK
     print(f"spill: tiny, {args.conv_tokens} tokens a conversation, grid {grid}, codec threads "
-          f"{args.threads}, best of {args.repeats}; folder under {args.dir or tempfile.gettempdir()}")
+          f"{args.threads}, best of {args.repeats}; folder under "
+          f"{args.dir or tempfile.gettempdir()}")
     prefill_threads = torch.get_num_threads()
     for dtype in ("float32", "bfloat16"):
         model = load_model("tiny", models_dir, dtype=dtype).model

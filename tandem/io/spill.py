@@ -1017,8 +1017,8 @@ class _WritePipe:
     caller's thread) and written from it (on ``_io``), so that file k+1 is encoded while file k
     is written. A stage is taken again only once its write has finished, and a failed write's
     error is raised there, at the next stage taken, or by ``drain``: a save goes on past a
-    failed write by one file's encoding at most, and writes nothing after it. Without the overlap, ``put`` writes on the
-    caller's thread."""
+    failed write by one file's encoding at most, and writes nothing after it. Without the
+    overlap, ``put`` writes on the caller's thread."""
 
     def __init__(self, spill: SessionSpill, fd: int):
         self.spill, self.fd = spill, fd

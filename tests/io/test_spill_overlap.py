@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+# any_model and hybrid_bf16 are test_session_spill's fixtures, imported to be used here
 from test_session_spill import (Conversation, any_model, assert_rows_equal,  # noqa: F401
                                 assert_sections_equal, entry_dir, flip, hybrid_bf16, meta_of,
                                 open_spill)
