@@ -18,14 +18,32 @@ raw bytes over stored bytes (headers not counted). Also the block sums'
 rate (tandem.kernels.blocksums) on the same rows. ``tiny``'s weights are random: its rows are not a
 trained model's, so its ratios are the codec's on these rows, not the spec's box's.
 
-    .venv/bin/python scripts/bench_spill.py [--fp32-tokens 16384] [--bf16-tokens 16384]
-        [--threads 2] [--levels 1,3] [--repeats 5]
+The spill part (``--parts spill``), for each of fp32 and bf16: a conversation of
+``--conv-tokens`` tokens prefilled through an ``Engine`` of ``tiny`` (grid anchors taken as the
+prefill passes them: the rows and anchors the engine really wrote), then, in a folder under
+``--dir`` (O_DIRECT where its file system takes it; the line says):
+
+- the cold re-read: that prefill's time (what a conversation without its entry pays);
+- a ``SessionSpill`` save of the conversation (its rows, the newest 4 anchors and the end);
+- its restore into a fresh engine, overlapped (file k+1 read and decompressed while file k is
+  joined, summed and copied) and serial (``overlap=False``: each step in turn), best of
+  ``--repeats``, checked torch.equal to the engine's rows;
+- the raw read: one O_DIRECT read of a file of the entry's uncompressed bytes (rows, anchors and
+  end as the engine holds them), best of ``--repeats``; the goal is a restore faster than it.
+
+The ratios printed: prefill over save, prefill over restore, raw read over restore.
+
+    .venv/bin/python scripts/bench_spill.py [--parts codec,spill] [--fp32-tokens 16384]
+        [--bf16-tokens 16384] [--threads 2] [--levels 1,3] [--repeats 5] [--conv-tokens 32768]
+        [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -35,7 +53,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tandem.cache.copies import SectionsCopy  # noqa: E402
+from tandem.cache.namespace import SHARED  # noqa: E402
 from tandem.config import load_config  # noqa: E402
+from tandem.engine import Engine  # noqa: E402
+from tandem.io.direct import DirectFile, aligned, open_folder, round_up  # noqa: E402
+from tandem.io.fingerprint import Identity  # noqa: E402
+from tandem.io.spill import (ANCHORS_KEPT, EntryMeta, SessionSpill, SpillEnd,  # noqa: E402
+                             session_digest)
 from tandem.io.spill_codec import SpillCodec  # noqa: E402
 from tandem.kernels.blocksums import view_block_sums  # noqa: E402
 from tandem.kernels.planes import cut_planes  # noqa: E402
@@ -161,6 +186,97 @@ def codec_part(args, models_dir: Path) -> None:
         torch.set_num_threads(prefill_threads)
 
 
+def raw_read_s(folder: Path, nbytes: int, repeats: int) -> tuple[float, bool]:
+    """Best time of one O_DIRECT read of a file of ``nbytes`` (written first, fsynced), and
+    whether the file system took O_DIRECT."""
+    fd = open_folder(folder)
+    try:
+        buf = aligned(round_up(nbytes))
+        buf[:] = np.random.default_rng(16).integers(0, 256, buf.nbytes, dtype=np.uint8)
+        with DirectFile.create(fd, "raw") as f:
+            f.pwrite_from(buf, 0)
+            f.finish_write()
+
+        def read() -> bool:
+            with DirectFile.open_read(fd, "raw") as f:
+                assert f.pread_into(buf, 0) == buf.nbytes
+                return f.direct
+
+        return best(repeats, read)
+    finally:
+        os.close(fd)
+
+
+def spill_part(args, models_dir: Path) -> None:
+    grid = PREFIX_CHUNK
+    print(f"spill: tiny, {args.conv_tokens} tokens a conversation, grid {grid}, codec threads "
+          f"{args.threads}, best of {args.repeats}; folder under "
+          f"{args.dir or tempfile.gettempdir()}")
+    prefill_threads = torch.get_num_threads()
+    for dtype in ("float32", "bfloat16"):
+        model = load_model("tiny", models_dir, dtype=dtype).model
+        n = args.conv_tokens
+        eng = Engine(model, window=n, prefix_chunk=grid)
+        ids = torch.randint(0, model.vocab_size, (n,),
+                            generator=torch.Generator().manual_seed(32)).tolist()
+        anchors: dict[int, SectionsCopy] = {}
+
+        def on_chunk(end: int) -> None:
+            if end % grid == 0:
+                anchors[end] = SectionsCopy.take(eng.cache_state())
+                while len(anchors) > ANCHORS_KEPT:
+                    anchors.pop(min(anchors))
+
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            eng.prefill(ids, on_chunk=on_chunk)
+        prefill_s = time.perf_counter() - t0
+        state = eng.cache_state()
+        end = SpillEnd(n, SectionsCopy.take(state).tensors)
+        meta = EntryMeta(session_digest("bench"), SHARED)
+        identity = Identity("be" * 32)
+        torch.set_num_threads(1)  # as in the codec part: the codec's threads are its parallelism
+        with tempfile.TemporaryDirectory(prefix="bench-spill-", dir=args.dir) as scratch:
+            root = Path(scratch) / "sessions"
+            with SpillCodec(threads=args.threads) as codec:
+                with SessionSpill(root, identity, grid, codec=codec) as spill:
+                    spill.open()
+                    t0 = time.perf_counter()
+                    report = spill.save(meta.entry_id, state, n, ids, anchors, end, meta)
+                    save_s = time.perf_counter() - t0
+                fresh = Engine(model, window=n, prefix_chunk=grid)
+                restore_s = {}
+                for overlap in (True, False):
+                    with SessionSpill(root, identity, grid, codec=codec,
+                                      overlap=overlap) as spill:
+                        spill.open()
+                        restore_s[overlap], got = best(args.repeats, lambda: spill.restore(
+                            meta.entry_id, fresh.cache_state(), []))
+                    for name, v in state.views.items():
+                        assert torch.equal(fresh.cache_state().views[name].rows(0, n),
+                                           v.rows(0, n)), f"restored rows of {name}"
+            raw = report.raw_nbytes_written
+            read_s, direct = raw_read_s(Path(scratch), raw, args.repeats)
+        torch.set_num_threads(prefill_threads)
+        fast = restore_s[True]
+        ms = ", ".join(f"{k} {v:.1f}" for k, v in report.ms.items() if k != "total")
+        rms = ", ".join(f"{k} {v:.1f}" for k, v in got.ms.items() if k != "total")
+        print(f"{dtype:<8} raw {raw / 1e6:.2f} MB, stored {report.nbytes_written / 1e6:.2f} MB "
+              f"(ratio {raw / report.nbytes_written:.3f}), {report.blocks_written} blocks, "
+              f"{report.anchors_written} anchors with the end; O_DIRECT: "
+              f"{'yes' if direct else 'no (buffered, pages dropped)'}")
+        print(f"{'':<8} cold re-read (Engine prefill, {prefill_threads} threads) "
+              f"{prefill_s * 1000:.0f} ms")
+        print(f"{'':<8} save {save_s * 1000:.1f} ms ({ms} ms)")
+        print(f"{'':<8} restore overlapped {fast * 1000:.1f} ms ({raw / fast / GB:.3f} GB/s; "
+              f"{rms} ms), serial {restore_s[False] * 1000:.1f} ms")
+        print(f"{'':<8} raw read of the uncompressed bytes {read_s * 1000:.1f} ms "
+              f"({raw / read_s / GB:.3f} GB/s)")
+        print(f"{'':<8} ratios: prefill/save {prefill_s / save_s:.1f}, prefill/restore "
+              f"{prefill_s / fast:.1f}, raw read/restore {read_s / fast:.3f}, serial/overlapped "
+              f"restore {restore_s[False] / fast:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fp32-tokens", type=int, default=16384)
@@ -171,9 +287,18 @@ def main() -> None:
                     help="zstd levels, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--home", default=None, help="tandem's home (tiny is written under it)")
+    ap.add_argument("--parts", type=lambda v: v.split(","), default=["codec", "spill"],
+                    help="codec, spill or both, comma-separated")
+    ap.add_argument("--conv-tokens", type=int, default=32768,
+                    help="the spill part's conversation, in tokens")
+    ap.add_argument("--dir", default=None,
+                    help="the spill part's folder goes under it (default: the temp dir)")
     args = ap.parse_args()
     config = load_config(cli_args={"home": args.home} if args.home else None)
-    codec_part(args, config.models_dir())
+    if "codec" in args.parts:
+        codec_part(args, config.models_dir())
+    if "spill" in args.parts:
+        spill_part(args, config.models_dir())
 
 
 if __name__ == "__main__":

@@ -95,6 +95,11 @@ class ServerConfig(_Section):
         "Open connections at most; at the cap a new one closes the connection that has waited "
         "longest for its headers, and is refused (503) only when every one is mid-request."
         ))] = 1024
+    side_requests: Annotated[bool, Meta(description=(
+        "Recognise a chat client's side requests (Open WebUI's title, tags and follow-ups: the "
+        "last user message starts with '### Task:') and run them keeping nothing, in an empty "
+        "slot or over a stash, so the chat's next turn still resumes at its end; off, they are "
+        "placed and kept as any other request."))] = True
 
 
 class EngineConfig(_Section):

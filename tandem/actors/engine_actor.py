@@ -185,6 +185,7 @@ class _Job:
         self.reply_to = msg.reply_to
         self.session = msg.session
         self.marks = msg.marks
+        self.side = msg.side
         self.namespace = Namespace(msg.namespace)
         self.max_reasoning_tokens = p.max_reasoning_tokens
         self.forced_ids = p.forced_ids
@@ -1166,7 +1167,7 @@ class EngineActor(Actor):
                 job.request_id, list(job.prompt_ids), self._slot_rows[from_slot],
                 job.namespace, slot_rows=self._slot_rows if self.parallel > 1 else [],
                 session=job.session, park_slot=self._park_slot, park_point=p.park_point,
-                park_session=p.park_session), TIER_ASK_S, sender=self)
+                park_session=p.park_session, side=job.side), TIER_ASK_S, sender=self)
             lent["resident"] = r.holdings
             job.slot, job.placed = r.slot, r.placed
             self._last_slot = r.slot
@@ -1242,12 +1243,12 @@ class EngineActor(Actor):
         theirs = ParkOffer(p.pin_point, p.park_point)
         # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
         alignment = (await self._align(job) if r.holdings.records is not None and not scored
-                     else None)
+                     and not job.side else None)
         served = alignment.served if alignment is not None else prompt
         if served is not prompt:
             # The copy is served as other rows: the same offers, over the same lent holdings,
             # for the rows served.
-            mine = resident_offer(r.holdings, served, namespace, rows)
+            mine = resident_offer(r.holdings, served, namespace, rows, side=job.side)
             if not mine.decisive:
                 theirs = park_offer(p.holdings, served, namespace, rows, r.holdings.namespace)
         workspace = 0
@@ -1257,7 +1258,7 @@ class EngineActor(Actor):
             # refused (MemoryRefused: a 503). The offers are made again over what is left.
             workspace, changed = await self._admit(job, len(served))
             if changed:
-                mine = resident_offer(r.holdings, served, namespace, rows)
+                mine = resident_offer(r.holdings, served, namespace, rows, side=job.side)
                 theirs = (ParkOffer(0, 0) if mine.decisive else
                           park_offer(p.holdings, served, namespace, rows, r.holdings.namespace))
         resume = choose(mine, theirs)
@@ -1275,7 +1276,8 @@ class EngineActor(Actor):
                         resume = Resume(reply.start, "store")
                     else:
                         store.release(reply.entry)  # the resident serves it as well or better
-            for line in store.plan_prefix(served, resume.start, namespace):
+            # A side request keeps nothing, in the store neither.
+            for line in () if job.side else store.plan_prefix(served, resume.start, namespace):
                 reply = await self._ask_store(StoreAdmit(
                     list(served[:line]), "prefix", store.snapshot_nbytes(line), namespace))
                 planned["lines"][line] = reply.verdict if reply is not None else "refused"
@@ -1589,7 +1591,8 @@ class EngineActor(Actor):
             committed = served + result.token_ids
             if plan is not None:
                 yield END  # the end reserves and sheds: it waits while the loop makes a plan
-                put = planner.ended(committed, job.session, job.namespace)
+                put = planner.ended(committed, job.session, job.namespace,
+                                    session_put=not job.side)
             else:
                 planner.finish(committed, job.session, job.namespace)
         except BaseException:

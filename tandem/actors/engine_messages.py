@@ -77,6 +77,9 @@ class Generate(Message):
     # store unless it is the shared one.
     namespace: str = ""
     marks: PromptMarks | None = None  # a chat prompt's parts (None: a text prompt)
+    # A chat client's side request (tandem/server/side.py: a title, tags, follow-ups): it
+    # runs keeping nothing, never in the place of a conversation (tandem/cache/slots.py).
+    side: bool = False
 
 
 class ClearCaches(Message):

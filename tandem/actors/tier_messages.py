@@ -41,6 +41,7 @@ class OfferTiers(Message):
     park_slot: int | None = None
     park_point: int = 0
     park_session: str | None = None
+    side: bool = False  # a side request (tandem/server/side.py): placed and kept as slots.py says
 
 
 class ResidentOffered(Message):

@@ -149,14 +149,17 @@ class ResidentActor(_Lender):
             raise TierLendingError(f"{self.name}: every slot is lent")
         placed = place(msg.prompt_ids, msg.session, namespace, facts,
                        self.slots[0].anchors.chunk, park_slot=msg.park_slot,
-                       park_point=msg.park_point, park_session=msg.park_session)
+                       park_point=msg.park_point, park_session=msg.park_session,
+                       side=msg.side)
         self.holdings = self.slots[placed.slot]
         self.lent[placed.slot] = msg.request_id
         self.lent_to = msg.request_id
         self.lent_total += 1
         holdings = self.holdings
-        self._clock += 1
-        self.used[placed.slot] = self._clock
+        if not msg.side:
+            # A side request keeps nothing: the slot it ran in is no more recently used.
+            self._clock += 1
+            self.used[placed.slot] = self._clock
         self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
         offer = placed.offer
         r = offer.resume

@@ -174,8 +174,11 @@ class Decided:
 
 
 def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Namespace,
-                   rows: Sequence[int]) -> ResidentOffer:
-    """Where the resident's own copies resume ``prompt`` over the rows in place ``rows``."""
+                   rows: Sequence[int], *, side: bool = False) -> ResidentOffer:
+    """Where the resident's own copies resume ``prompt`` over the rows in place ``rows``.
+    ``side``: a side request (tandem/server/side.py) is a guest whatever its length, and
+    keeps nothing: not even a repeat's prompt-end anchor serves it, since that move would
+    drop the end anchor above it."""
     prompt = list(prompt)
     length = len(rows)
     limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
@@ -183,6 +186,10 @@ def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Nam
     # anchor of theirs is offered.
     c = common_prefix(prompt, list(rows)) if namespace == held.namespace else 0
     continuing = c >= length and length <= limit
+    if side:
+        start = held.anchors.best(min(c, limit))
+        return ResidentOffer(Resume(start, "resident" if start else "cold", guest=True), c,
+                             continuing, True)
     pe = held.ends.prompt_end
     if (pe is not None and len(prompt) == pe.length <= c and not held.stash.active
             and prompt == pe.token_ids):

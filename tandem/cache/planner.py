@@ -136,13 +136,16 @@ class Planner:
             self.governor.after_request()
 
     def ended(self, committed_ids: Sequence[int], session: str | None,
-              namespace: Namespace = SHARED) -> SessionPut | None:
+              namespace: Namespace = SHARED, *, session_put: bool = True) -> SessionPut | None:
         """``finish``'s first half for a planned generation, which asks nothing: the prefill's
         unused rooms go back and the session put is prepared (or declined); the loop asks the
-        store to admit it, then ``settle`` runs."""
+        store to admit it, then ``settle`` runs. ``session_put`` False: none is prepared (a
+        side request keeps nothing)."""
         if self.store is None:
             return None
         self.store.end_prefill()
+        if not session_put:
+            return None
         return self.store.session_put(committed_ids, session, namespace)
 
     def settle(self, put: SessionPut | None, verdict: str,

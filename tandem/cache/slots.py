@@ -14,10 +14,24 @@ slot holds, made by the resident actor when it answers a job's offer:
    its rows go to the park as a leaving conversation's do;
 4. else an idle slot: an empty one first, else the least recently used.
 
-A guest (a short prompt beside a long conversation: Open WebUI's title and tags requests) thus
-takes an empty side slot and needs no stash; it stashes only when it lands in a slot that holds
-a conversation (no slot was empty). A short conversation beside a long one keeps its own slot
-and resumes at its own end every turn.
+A guest (a short prompt beside a long conversation) thus takes an empty side slot and needs no
+stash; it stashes only when it lands in a slot that holds a conversation (no slot was empty). A
+short conversation beside a long one keeps its own slot and resumes at its own end every turn.
+
+A side request (tandem/server/side.py: Open WebUI's title, tags and follow-ups, often longer
+than the chat they are about) is placed by its own rule, before every other, and runs as a
+guest whatever its length, so it keeps nothing (no rows, anchor, end or prompt-end anchor, park
+or store snapshot) wherever it runs:
+
+- an empty slot (no rows, no end), the least recently used one;
+- else the least recently used slot that does not hold its own session. Its conversation's
+  rows are stashed and put back after it, so "least valuable" only decides whose rows wait
+  under it (and are cut should the stash be refused): the one left longest ago, never the
+  chat the request belongs to, nor (without a session key) the one placed last, which is the
+  chat the client asks about whenever another slot is there;
+- else its session's slot (the only one idle), as a guest over the stash.
+
+A side request does not make its slot more recently used (the resident actor's clock).
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ from typing import Literal, Sequence
 from tandem.cache.holdings import ResidentHoldings, ResidentOffer, resident_offer
 from tandem.cache.namespace import Namespace
 
-Why = Literal["only", "session", "continues", "park", "shares", "empty", "lru"]
+Why = Literal["only", "session", "continues", "park", "shares", "empty", "lru", "side"]
 
 
 @dataclass(frozen=True)
@@ -52,16 +66,21 @@ class Placement:
 
 def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
           slots: Sequence[SlotFacts], chunk: int, *, park_slot: int | None = None,
-          park_point: int = 0, park_session: str | None = None) -> Placement:
+          park_point: int = 0, park_session: str | None = None,
+          side: bool = False) -> Placement:
     """The slot a request goes to, and the resident's offer there (module docstring).
 
     ``park_slot``: the slot the parked conversation was parked from, ``park_point`` where the
     park's offer resumes the prompt over that slot's rows (0: it does not), ``park_session``
-    the parked conversation's session key."""
+    the parked conversation's session key; ``side``: a side request."""
     prompt = list(prompt)
-    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows) for s in slots}
+    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows, side=side)
+              for s in slots}
     if len(slots) == 1:
         return Placement(slots[0].index, "only", offers[slots[0].index])
+    if side:
+        best = _side_slot(slots, session, namespace)
+        return Placement(best.index, "side", offers[best.index])
     indices = {s.index for s in slots}
     if session is not None:
         for s in slots:
@@ -86,6 +105,20 @@ def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
         return Placement(best.index, "empty", offers[best.index])
     best = min(slots, key=lambda s: (s.used, s.index))
     return Placement(best.index, "lru", offers[best.index])
+
+
+def _side_slot(slots: Sequence[SlotFacts], session: str | None,
+               namespace: Namespace) -> SlotFacts:
+    """A side request's slot (module docstring); ``slots`` holds two at least."""
+    empty = [s for s in slots if not s.rows and s.holdings.ends.end is None]
+    if empty:
+        return min(empty, key=lambda s: (s.used, s.index))
+    own = {s.index for s in slots if session is not None and s.holdings.session == session
+           and s.holdings.namespace == namespace}
+    if not own:
+        own = {max(slots, key=lambda s: (s.used, s.index)).index}
+    others = [s for s in slots if s.index not in own]
+    return min(others or slots, key=lambda s: (s.used, s.index))
 
 
 def _continues(offer: ResidentOffer, slot: SlotFacts) -> bool:

@@ -54,7 +54,10 @@ tier's WriteGuard, the day's count) as it is written; whether a save may run is 
 question (the spill writer asks the guard).
 
 Thread rule: the index is touched under ``self._lock``; one save or restore at a time
-(``io_lock``); ``offer`` may run beside them.
+(``io_lock``); ``offer`` may run beside them. A save or restore overlaps its own files on the
+spill's I/O thread (``_io``, closed by ``close``): a save writes file k while the caller
+encodes file k+1, a restore reads and decompresses file k+1 while the caller checks and copies
+file k; neither returns, nor fails, before ``_io`` is done with its folder.
 """
 
 from __future__ import annotations
@@ -65,9 +68,11 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -362,8 +367,8 @@ class SessionSpill:
     def __init__(self, root: str | os.PathLike, identity: Identity, grid: int, *,
                  budget_nbytes: int = BUDGET_NBYTES, ttl_s: float = TTL_S,
                  codec: SpillCodec | None = None, codec_version: int = CODEC_VERSION,
-                 direct: bool = True, wall=time.time, guard: "WriteGuard | None" = None,
-                 turns: IoTurns | None = None):
+                 direct: bool = True, overlap: bool = True, wall=time.time,
+                 guard: "WriteGuard | None" = None, turns: IoTurns | None = None):
         """``guard``: the day's write budget every written byte is added to (None: not
         counted); ``turns``: shared with the disk writer (default: the spill's own)."""
         if grid <= 0:
@@ -386,10 +391,20 @@ class SessionSpill:
         self._lock = threading.Lock()  # the index; held briefly, never across I/O
         self.io_lock = threading.Lock()  # one save, restore, clear or sweep at a time
         self._index: dict[str, _Indexed] = {}
-        self._stage = aligned(0)
         self.dropped_at_open: dict[str, int] = {}
+        # The codec's overlap (spec: "two writer threads"): a save cuts and compresses file
+        # k+1 on the caller's thread (the rows are read on its CUDA stream, the engine's) while
+        # ``_io`` writes file k; a restore reads and decompresses file k+1 on ``_io`` while the
+        # caller joins, sums and copies file k. ``overlap=False``: each step in turn on the
+        # caller's thread (the same bytes; the benchmark's side-by-side). Two stages: file k+1
+        # is encoded into one while file k's write reads the other; each grows to the largest
+        # file (a stored file is never larger than its buffers' bytes).
+        self.overlap = overlap
+        self._stages = [aligned(0), aligned(0)]
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
 
     def close(self) -> None:
+        self._io.shutdown(wait=True)
         if self._own_codec:
             self.codec.close()
         if self.root_fd >= 0:
@@ -695,6 +710,7 @@ class SessionSpill:
 
         written = 0
         raw_written = 0
+        pipe: _WritePipe | None = None
         try:
             fd = open_folder(eid, dir_fd=self.root_fd, create=True)
         except OSError as exc:
@@ -707,6 +723,7 @@ class SessionSpill:
                     fsync_folder(fd)
                 with self._lock:
                     self._index.pop(eid, None)
+                pipe = _WritePipe(self, fd)
                 blocks: list[FileRecord] = []
                 view_list = list(state.views.items())
                 for a, b, prev, sums in plan:
@@ -717,7 +734,7 @@ class SessionSpill:
                                       *(s for pair in sums for s in pair))
                     rec, n, raw = self._write_file(
                         fd, name, a, b, [(v.rows(a, b), s) for (_, v), s in zip(view_list, sums)],
-                        ms)
+                        ms, pipe=pipe)
                     blocks.append(rec)
                     written += n
                     raw_written += raw
@@ -730,7 +747,8 @@ class SessionSpill:
                     name = _file_name("anc", line, self.codec_version,
                                       *(s for pair in sums for s in pair))
                     rec, n, raw = self._write_file(
-                        fd, name, 0, line, list(zip(anchor_secs[line].values(), sums)), ms)
+                        fd, name, 0, line, list(zip(anchor_secs[line].values(), sums)), ms,
+                        pipe=pipe)
                     anchor_recs.append(rec)
                     written += n
                     raw_written += raw
@@ -743,11 +761,14 @@ class SessionSpill:
                                       *(s for pair in sums for s in pair))
                     rec, n, raw = self._write_file(
                         fd, name, 0, end.length, list(zip(dict(end.sections).values(), sums)),
-                        ms)
+                        ms, pipe=pipe)
                     end_rec = EndRecord(rec, end_meta)
                     written += n
                     raw_written += raw
                 ms["anchors"] = _ms(t)
+                pipe.drain()  # every file written and fsynced, or the first write's error
+                for k, v in pipe.ms.items():
+                    ms[k] = ms.get(k, 0.0) + v
                 t = time.perf_counter()
                 fsync_folder(fd)  # the files' names, before the manifest that lists them
                 ms["fsync"] += _ms(t)
@@ -769,6 +790,8 @@ class SessionSpill:
                 # than at the next open.
                 log.warning("spill_write_failed", eid=eid[:12],
                             errno=getattr(exc, "errno", None), error=type(exc).__name__)
+                if pipe is not None:
+                    pipe.stop()  # nothing of this save still runs when the folder goes
                 os.close(fd)
                 fd = -1
                 try:
@@ -797,15 +820,13 @@ class SessionSpill:
 
     def _write_file(self, fd: int, name: str, start: int, stop: int,
                     parts: list[tuple[torch.Tensor, tuple[int, int]]],
-                    ms: dict[str, float]) -> tuple[FileRecord, int, int]:
+                    ms: dict[str, float], *, pipe: "_WritePipe") -> tuple[FileRecord, int, int]:
         """One file of the buffers ``parts`` (each with its sums), each at a 4 KiB-aligned
-        offset, by one O_DIRECT write and an fsync. (record, bytes written, raw bytes)."""
+        offset: encoded here into one of the pipe's stages, then written by one O_DIRECT
+        write and an fsync (``pipe.put``: on ``_io``, while the next file is encoded).
+        (record, bytes written, raw bytes)."""
         raw_total = sum(round_up(t.numel() * t.element_size()) for t, _ in parts)
-        if self._stage.nbytes < raw_total:  # a stored block is never larger than its bytes
-            t = time.perf_counter()
-            self._stage = aligned(raw_total)
-            ms["staging"] += _ms(t)
-        stage = self._stage
+        stage = pipe.stage(raw_total)
         out: list[Part] = []
         at = 0
         raw = 0
@@ -829,19 +850,24 @@ class SessionSpill:
             stage[at + stored:at + padded] = 0
             out.append(Part(at, enc.header, plain, weighted))
             at += padded
+        pipe.put(name, at)
+        return FileRecord(name, start, stop, at, out), at, raw
+
+    def _put_file(self, fd: int, name: str, data: np.ndarray, ms: dict[str, float]) -> None:
+        """Write ``data`` (aligned, a whole number of 4 KiB) as the new file ``name``: one
+        O_DIRECT write, an fsync."""
         t = time.perf_counter()
         f = DirectFile.create(fd, name, self.direct)
         try:
-            if at:
-                f.pwrite_from(stage[:at], 0)
-                self._count(at)  # on the disk now, whatever happens to the entry after
+            if data.nbytes:
+                f.pwrite_from(data, 0)
+                self._count(data.nbytes)  # on the disk now, whatever happens to the entry
             ms["write"] += _ms(t)
             t = time.perf_counter()
             f.finish_write()
             ms["fsync"] += _ms(t)
         finally:
             f.close()
-        return FileRecord(name, start, stop, at, out), at, raw
 
     def _touch(self, eid: str, now: float) -> None:
         """Mark the entry used at ``now``: its manifest's mtime, which a restart reads."""
@@ -929,7 +955,7 @@ class SessionSpill:
                 # the caller's window, not the entry: it stays for a state that holds it
                 raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
         in_place = common_prefix(rows_in_place, m.token_ids)
-        ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors"), 0.0)
+        ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors", "read_wait"), 0.0)
         ms["lock"] = lock_ms
         todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
         skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
@@ -945,30 +971,53 @@ class SessionSpill:
             for f in m.anchors + ([m.end.file] if m.end is not None else []):
                 _check_parts(f, [(s.dtype, s.shape) for s in m.sections])
             fd = open_folder(eid, dir_fd=self.root_fd, create=False)
-            try:
-                view_list = list(state.views.values())
-                for b in todo:
-                    scratch = [torch.empty(_block_shape(lv, b.stop - b.start),
-                                           dtype=v.tensor.dtype, device=v.tensor.device)
-                               for lv, v in zip(m.views, view_list)]
-                    nbytes += self._read_file(fd, b, scratch, ms)
-                    t = time.perf_counter()
-                    for v, s in zip(view_list, scratch):
-                        v.rows(b.start, b.stop).copy_(s)
-                    ms["copy"] += _ms(t)
+            # The blocks, then the anchors and the end, in the manifest's order: file i+1 is
+            # read and decompressed on ``_io`` while file i is joined, summed and copied here.
+            files = todo + m.anchors + ([m.end.file] if m.end is not None else [])
+            ahead: dict[int, Future] = {}
+
+            def fetch(i: int) -> _Fetched:
+                if self.overlap and i + 1 < len(files):  # queued behind file i on _io
+                    ahead[i + 1] = self._io.submit(self._read_file, fd, files[i + 1])
                 t = time.perf_counter()
+                got = (ahead.pop(i).result() if i in ahead
+                       else self._read_file(fd, files[i]))
+                ms["read_wait"] += _ms(t)
+                return got
+
+            try:
+                if self.overlap and files:
+                    ahead[0] = self._io.submit(self._read_file, fd, files[0])
+                view_list = list(state.views.values())
                 anchors: dict[int, SectionsCopy] = {}
                 end_copy: SpillEnd | None = None
-                for f in m.anchors + ([m.end.file] if m.end is not None else []):
+                t_anchors = time.perf_counter()
+                for i, f in enumerate(files):
+                    got = fetch(i)
+                    ms["read"] += got.read_ms
+                    ms["decode"] += got.decompress_ms
+                    nbytes += f.file_nbytes
+                    if i < len(todo):
+                        scratch = [torch.empty(_block_shape(lv, f.stop - f.start),
+                                               dtype=v.tensor.dtype, device=v.tensor.device)
+                                   for lv, v in zip(m.views, view_list)]
+                        self._check_file(f, got, scratch, ms)
+                        t = time.perf_counter()
+                        for v, s in zip(view_list, scratch):
+                            v.rows(f.start, f.stop).copy_(s)
+                        ms["copy"] += _ms(t)
+                        t_anchors = time.perf_counter()
+                        continue
                     copy = {s.name: torch.empty(s.shape, dtype=t0.dtype, device=t0.device)
                             for s, t0 in zip(m.sections, state.sections.values())}
-                    nbytes += self._read_file(fd, f, list(copy.values()), ms)
+                    self._check_file(f, got, list(copy.values()), ms)
                     if m.end is not None and f is m.end.file:
                         end_copy = SpillEnd(f.stop, copy, m.end.meta)
                     else:
                         anchors[f.stop] = SectionsCopy(copy)
-                ms["anchors"] = _ms(t)
+                ms["anchors"] = _ms(t_anchors) if len(files) > len(todo) else 0.0
             finally:
+                wait_all(list(ahead.values()))  # no read of the folder outlives its descriptor
                 os.close(fd)
         except (_Bad, OSError, CodecError) as exc:
             reason: Refusal = exc.reason if isinstance(exc, _Bad) else (
@@ -991,10 +1040,11 @@ class SessionSpill:
                  **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
         return report
 
-    def _read_file(self, fd: int, rec: FileRecord, outs: list[torch.Tensor],
-                   ms: dict[str, float]) -> int:
-        """Read ``rec`` whole, decode each part into its ``outs`` buffer (where the rows are)
-        and sum it there; raise ``_Bad`` when a sum is not the manifest's."""
+    def _read_file(self, fd: int, rec: FileRecord) -> "_Fetched":
+        """Read ``rec`` whole and decompress each part on the host (on ``_io`` when the
+        restore overlaps); raise ``_Bad`` for a file of another size. A part that does not
+        decompress keeps its ``CodecError`` for ``_check_file``, so that the parts before it
+        are checked first, as they would be one by one."""
         t = time.perf_counter()
         try:
             f = DirectFile.open_read(fd, rec.name, self.direct)
@@ -1008,18 +1058,105 @@ class SessionSpill:
                 raise _Bad("layout", f"{rec.name[:8]}: cut")
         finally:
             f.close()
-        ms["read"] += _ms(t)
-        for part, out in zip(rec.parts, outs):
-            t = time.perf_counter()
+        read_ms = _ms(t)
+        t = time.perf_counter()
+        parts: list[torch.Tensor | CodecError] = []
+        for part in rec.parts:
             data = memoryview(buf[part.offset:part.offset + part.header.nbytes])
-            self.codec.decode(data, part.header, out)
+            try:
+                parts.append(self.codec.decompress_into(data, part.header))
+            except CodecError as exc:
+                parts.append(exc)
+        return _Fetched(parts, read_ms, _ms(t))
+
+    def _check_file(self, rec: FileRecord, got: "_Fetched", outs: list[torch.Tensor],
+                    ms: dict[str, float]) -> None:
+        """Join each part's planes into its ``outs`` buffer (where the rows are) and sum it
+        there; raise ``_Bad`` when a sum is not the manifest's."""
+        for part, planes, out in zip(rec.parts, got.parts, outs):
+            if isinstance(planes, CodecError):
+                raise planes
+            t = time.perf_counter()
+            self.codec.join_into(planes, part.header, out)
             ms["decode"] += _ms(t)
             t = time.perf_counter()
-            got = _pairs(host_sums(block_sums(out).unsqueeze(0)))[0]
+            got_sums = _pairs(host_sums(block_sums(out).unsqueeze(0)))[0]
             ms["sums"] += _ms(t)
-            if got != (part.plain, part.weighted):
+            if got_sums != (part.plain, part.weighted):
                 raise _Bad("sums", f"{rec.name[:8]}: a part's sums are not the manifest's")
-        return rec.file_nbytes
+
+
+class _Fetched(NamedTuple):
+    """A file read and decompressed: each part's planes (or the error its frames gave)."""
+
+    parts: list[torch.Tensor | CodecError]
+    read_ms: float
+    decompress_ms: float
+
+
+class _WritePipe:
+    """A save's files in flight: each is encoded into one of the spill's two stages (on the
+    caller's thread) and written from it (on ``_io``), so that file k+1 is encoded while file k
+    is written. A stage is taken again only once its write has finished, and a failed write's
+    error is raised there, at the next stage taken, or by ``drain``: a save goes on past a
+    failed write by one file's encoding at most, and writes nothing after it. Without the
+    overlap, ``put`` writes on the caller's thread."""
+
+    def __init__(self, spill: SessionSpill, fd: int):
+        self.spill, self.fd = spill, fd
+        self._slots: list[Future | None] = [None, None]
+        self._turn = 0
+        self._writes: list[Future] = []
+        self._stopped = False
+        # the writer's, the waits, and growing the stages
+        self.ms = {"write": 0.0, "fsync": 0.0, "stage_wait": 0.0, "staging": 0.0}
+
+    def stage(self, nbytes: int) -> np.ndarray:
+        self._turn ^= 1
+        prev = self._slots[self._turn]
+        if prev is not None:
+            t = time.perf_counter()
+            prev.result()
+            self.ms["stage_wait"] += _ms(t)
+        stages = self.spill._stages
+        if stages[self._turn].nbytes < nbytes:
+            t = time.perf_counter()
+            stages[self._turn] = aligned(nbytes)
+            self.ms["staging"] += _ms(t)
+        return stages[self._turn]
+
+    def put(self, name: str, nbytes: int) -> None:
+        """Write the stage last taken, its first ``nbytes``, as the file ``name``."""
+        data = self.spill._stages[self._turn][:nbytes]
+        if not self.spill.overlap:
+            self.spill._put_file(self.fd, name, data, self.ms)
+            return
+        fut = self.spill._io.submit(self._write, name, data)
+        self._slots[self._turn] = fut
+        self._writes.append(fut)
+
+    def _write(self, name: str, data: np.ndarray) -> None:
+        if self._stopped:
+            return
+        try:
+            self.spill._put_file(self.fd, name, data, self.ms)
+        except BaseException:
+            self._stopped = True  # the files queued behind a failed write are not written
+            raise
+
+    def drain(self) -> None:
+        """Wait for every write; raise the first one's error."""
+        t = time.perf_counter()
+        wait_all(self._writes)
+        self.ms["stage_wait"] += _ms(t)
+        for fut in self._writes:
+            if fut.exception() is not None:
+                raise fut.exception()
+
+    def stop(self) -> None:
+        """Skip the writes not started and wait until none runs (the save failed)."""
+        self._stopped = True
+        wait_all(self._writes)
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import structlog
 
 log = structlog.get_logger("tandem.replay")
 
-HEADERS = ("x-session-id", "user-agent")
+HEADERS = ("x-session-id", "x-openwebui-chat-id", "user-agent")
 ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 _encoder = msgspec.json.Encoder()
 

@@ -136,9 +136,10 @@ class Run:
     def __init__(self, state: ServerState, request: web.Request, *, route: str, request_id: str,
                  prompt_ids: list[int], params: GenerationParams, stops: list[str],
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
-                 marks: PromptMarks | None = None) -> None:
+                 marks: PromptMarks | None = None, side: bool = False) -> None:
         self.state = state
         self.marks = marks  # a chat prompt's parts, for the disk tier's head
+        self.side = side  # a side request (tandem/server/side.py)
         self.request = request
         self.route = route
         self.request_id = request_id
@@ -213,7 +214,8 @@ class Run:
         if self._answer_from_memory():
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
-                       session=self.session, namespace=self.namespace, marks=self.marks)
+                       session=self.session, namespace=self.namespace, marks=self.marks,
+                       side=self.side)
         try:
             reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
         except TimeoutError:
@@ -394,6 +396,8 @@ class Run:
             cache["aligned"] = r.aligned
             cache["end_replayed"] = r.end_replayed
         tandem: dict = {"cache": cache}
+        if self.side:
+            tandem["side"] = True
         if r is not None:
             tandem["speculation"] = {"drafted": r.drafted, "accepted": r.accepted}
         if self.ttft_ms is not None:
@@ -456,6 +460,8 @@ class Run:
             extra["hidden_tokens"] = r.hidden_tokens
         if r.guest:
             extra["guest"] = True
+        if self.side:
+            extra["side"] = True
         return extra or None
 
 

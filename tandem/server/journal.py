@@ -42,7 +42,8 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False)
     accepted: int = 0  # of them, those the verify blocks accepted
     slot: int | None = None  # the engine slot it ran in (None: none ran)
     # extra.end_replayed: hidden or reasoning rows the end alignment put back; extra.aligned:
-    # how the client's copy met the end anchor; extra.guest: the request ran as a guest.
+    # how the client's copy met the end anchor; extra.guest: the request ran as a guest;
+    # extra.side: a side request (tandem/server/side.py), which kept nothing.
     extra: dict | None = None
 
 

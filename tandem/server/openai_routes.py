@@ -40,6 +40,7 @@ from tandem.server.journal import RequestRow
 from tandem.server.logprobs_json import LogprobsWriter
 from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling, decode_body
 from tandem.server.sessions import session_key
+from tandem.server.side import is_side_request
 from tandem.server.state import STATE, ServerState
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -194,7 +195,7 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
                       arrived_s=ctx.arrived_s,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
-                      marks=extra.get("marks"))
+                      marks=extra.get("marks"), side=extra.get("side", False))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
@@ -265,7 +266,9 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
     return req, prompt_ids, params, stops, {"thinking": thinking, "tools": req.tools,
-                                            "marks": _marks(state, req, prompt_ids)}
+                                            "marks": _marks(state, req, prompt_ids),
+                                            "side": state.config.server.side_requests
+                                            and is_side_request(req.messages)}
 
 
 def _marks(state: ServerState, req: ChatCompletionRequest, ids: list[int]) -> PromptMarks:

@@ -1,4 +1,6 @@
-"""A request's session: the body's conversation id, else the ``x-session-id`` header, else none.
+"""A request's session: the body's conversation id, else the ``x-session-id`` header, else Open
+WebUI's ``x-openwebui-chat-id`` (sent on every request of a chat, its side requests included,
+when the admin forwards user headers), else none.
 
 The raw value is a client's identifier and may be anything a user typed; only its hash leaves
 this module, so no log line or file name ever holds it. The hash is an HMAC-SHA256 (its first 16
@@ -18,6 +20,7 @@ from typing import Any
 
 BODY_FIELDS = ("conversation_id", "conversation", "session_id")
 HEADER = "x-session-id"
+CHAT_ID_HEADER = "x-openwebui-chat-id"
 SECRET_FILE = "session.key"
 SECRET_BYTES = 32
 
@@ -63,9 +66,10 @@ def session_key(body: Mapping[str, Any], headers: Mapping[str, str],
         if isinstance(value, (str, int)) and not isinstance(value, bool) and (
                 text := _text(value)):
             return hash_session(text, secret)
-    value = headers.get(HEADER)
-    if value:
-        return hash_session(value, secret)
+    for name in (HEADER, CHAT_ID_HEADER):
+        value = headers.get(name)
+        if value:
+            return hash_session(value, secret)
     return None
 
 

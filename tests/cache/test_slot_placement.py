@@ -150,3 +150,48 @@ def test_the_slots_share_one_budget_and_each_counts_its_part():
     assert not shares[1].reserve("anchors", 1)
     with pytest.raises(AssertionError):
         shares[1].release("anchors", 1)  # a part never gives back what it does not hold
+
+
+# -- side requests (tandem/server/side.py) --------------------------------------------------
+
+
+def test_a_side_request_takes_an_empty_slot_as_a_guest_whatever_it_shares_or_its_session():
+    _, _, held = _slots()
+    rows = [_ids(0, 300), _ids(1000, 300), [], []]
+    held[0].session = "chat"
+    # Longer than the chat, extending slot 0's rows, with the chat's session: an empty slot
+    # still, and a guest there (it keeps nothing).
+    placed = place(_ids(0, 300) + _ids(9000, 400), "chat", SHARED,
+                   _facts(held, rows, used=[4, 3, 2, 1]), CHUNK, side=True)
+    assert (placed.slot, placed.why) == (3, "side")
+    assert placed.offer.resume.guest and placed.offer.decisive
+
+
+def test_a_side_request_with_no_empty_slot_never_takes_its_chat_s_slot():
+    _, _, held = _slots(3)
+    rows = [_ids(0, 300), _ids(1000, 300), _ids(2000, 300)]
+    held[0].session = "chat"
+    # Slot 0 is the least recently used, but it holds the request's own chat.
+    placed = place(_ids(9000, 700), "chat", SHARED, _facts(held, rows, used=[1, 3, 2]), CHUNK,
+                   side=True)
+    assert (placed.slot, placed.why) == (2, "side") and placed.offer.resume.guest
+
+
+def test_a_side_request_without_a_session_spares_the_slot_placed_last():
+    _, _, held = _slots(2)
+    rows = [_ids(0, 300), _ids(1000, 300)]
+    placed = place(_ids(9000, 700), None, SHARED, _facts(held, rows, used=[1, 2]), CHUNK,
+                   side=True)
+    assert placed.slot == 0
+    placed = place(_ids(9000, 700), None, SHARED, _facts(held, rows, used=[2, 1]), CHUNK,
+                   side=True)
+    assert placed.slot == 1
+
+
+def test_a_side_request_beside_only_its_chat_s_slot_runs_there_as_a_guest():
+    _, _, held = _slots(4)
+    held[2].session = "chat"
+    # The other slots are lent to running requests: only the chat's is offered.
+    facts = [SlotFacts(2, _ids(0, 300), held[2], 5)]
+    placed = place(_ids(9000, 700), "chat", SHARED, facts, CHUNK, side=True)
+    assert placed.slot == 2 and placed.offer.resume.guest

@@ -1,6 +1,7 @@
 """An Open WebUI chat whose second turn came back from the state store (its title, tags and
 follow-up requests, each the chat as text and too long to be a guest, took the end and the park
-from it): the turn after that, its copy without the reasoning of either answer, must resume at
+from it; side_requests off, so that they are placed as turns, as a client's unrecognised side
+requests are: tests/server/test_side_requests.py has them marked): the turn after that, its copy without the reasoning of either answer, must resume at
 the end anchor the second turn kept, which costs nothing, and not at the first turn's session
 snapshot (a whole copy, and the second turn's text re-read). The end's record must carry the
 first turn's regions (where its reasoning is in the rows) across the restore, or the copy no
@@ -56,7 +57,8 @@ async def _conversation(client, tasks: bool) -> list:
 
 async def test_the_turn_after_a_store_resume_resumes_at_the_end_anchor(small_loaded, make_config,
                                                                        serve, sdk):
-    config = make_config(allow_forced_output=True, window=2048, parallel=1)
+    config = make_config(allow_forced_output=True, window=2048, parallel=1,
+                         side_requests=False)
     async with serve(build_app(config, small_loaded)) as server:
         first, second, third = await _conversation(sdk(server), tasks=True)
         stats = (await server.app[CACHE_STATS]())["tiers"]
