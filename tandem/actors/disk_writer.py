@@ -15,6 +15,11 @@ slot closes it above the fence's row; chunks not copied by then are dropped, nev
 rows another request is writing. A grant reaches the worker through its own queue (the
 ``reply_to`` of `RequestCaptureLock`), never behind a handler in the mailbox.
 
+The drive's turns (tandem.io.turns, shared with the session spill): while a spill save runs, the
+``io`` thread waits before its next file, at most ``spill_wait_s`` (30 s), and logs
+``disk_writer_waited_for_spill``; the wait is the writer's own, between two files, so no request
+and no fence waits for it.
+
 Nothing here fails a request: an I/O error is the tier's to log and count. Anything else the
 worker raises is a bug and stops the actor (`DiskWriterFaulted`), hence the system.
 """
@@ -38,6 +43,7 @@ from tandem.actors.messages import Message
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.cache.copies import SectionsCopy
 from tandem.io.tier import DiskTier, host_rows
+from tandem.io.turns import MAX_WAIT_S, IoTurns
 from tandem.torch_thread import one_openmp_thread_here
 
 log = structlog.get_logger("tandem.disk_writer")
@@ -54,13 +60,18 @@ class _Job:
 class DiskWriterActor(Actor):
     def __init__(self, name: str = "disk_writer", *, tier: "DiskTier | Callable[[], DiskTier]",
                  engine: Actor | None = None, max_ahead: int = MAX_AHEAD,
-                 **actor_options: Any) -> None:
+                 spill_turns: "IoTurns | Callable[[], IoTurns | None] | None" = None,
+                 spill_wait_s: float = MAX_WAIT_S, **actor_options: Any) -> None:
+        """``spill_turns``: the session spill's (``SessionSpill.turns``; a callable resolved at
+        start, like the tier), None when there is no spill to give way to."""
         super().__init__(name, **actor_options)
         if max_ahead < 1:
             raise ValueError("max_ahead must be at least 1")
         self.tier = tier
         self.engine = engine  # None: no capture lock to take (a CPU engine without captures)
         self.max_ahead = max_ahead
+        self.spill_turns = spill_turns
+        self.spill_wait_s = spill_wait_s
         self._jobs: deque[_Job] = deque()
         self._copying: tuple[int, int] | None = None  # (slot, line) of the copy under way
         self._copy_done = asyncio.Event()
@@ -73,7 +84,8 @@ class DiskWriterActor(Actor):
         self._copy: ThreadPoolExecutor | None = None
         self._io: ThreadPoolExecutor | None = None
         self._fault: BaseException | None = None
-        self.counters = {"jobs": 0, "copied_chunks": 0, "grants": 0, "window_drops": 0}
+        self.counters = {"jobs": 0, "copied_chunks": 0, "grants": 0, "window_drops": 0,
+                         "spill_waits": 0, "spill_wait_ms": 0.0, "spill_waits_capped": 0}
 
     async def on_start(self) -> None:
         if callable(self.tier) and not isinstance(self.tier, DiskTier):
@@ -82,6 +94,8 @@ class DiskWriterActor(Actor):
             self.tier = self.tier()
         if self.tier is None:
             raise RuntimeError(f"{self.name}: no disk tier to write")
+        if callable(self.spill_turns) and not isinstance(self.spill_turns, IoTurns):
+            self.spill_turns = self.spill_turns()
         self._copy = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}-copy")
         self._io = ThreadPoolExecutor(1, thread_name_prefix=f"tandem-{self.name}-io")
         # Their copies' and crc32's OpenMP regions on these threads alone (tandem/torch_thread).
@@ -200,7 +214,8 @@ class DiskWriterActor(Actor):
             self.counters["copied_chunks"] += 1
             # submitted now, so the next chunk's copy overlaps this one's write
             writes.append(asyncio.get_running_loop().run_in_executor(
-                self._io, self.tier.write_chunk, plan, line, msg.token_ids[line - g:line], rows))
+                self._io, self._file, self.tier.write_chunk, plan, line,
+                msg.token_ids[line - g:line], rows))
         for w in writes:
             await w
         for line in plan.anchor_lines:
@@ -209,8 +224,23 @@ class DiskWriterActor(Actor):
                 self.tier.drop_entries([("anchor", plan.key(line))], [line], "drop")
                 continue
             staged = await self._on_host(staged)
-            await self._on(self._io, self.tier.write_anchor, plan, line, staged)
+            await self._on(self._io, self._file, self.tier.write_anchor, plan, line, staged)
         await self._on(self._io, self.tier.save_counts)
+
+    def _file(self, write: Callable[..., bool], *args: Any) -> bool:
+        """One file on the ``io`` thread, after the spill save under way (if any)."""
+        turns = self.spill_turns
+        if turns is None:
+            return write(*args)
+        with turns.file(self.spill_wait_s) as turn:
+            if turn.waited:
+                # counters: the io thread's; read on the loop as a snapshot
+                self.counters["spill_waits"] += 1
+                self.counters["spill_wait_ms"] += turn.ms
+                self.counters["spill_waits_capped"] += turn.capped
+                log.info("disk_writer_waited_for_spill", ms=round(turn.ms, 1),
+                         capped=turn.capped)
+            return write(*args)
 
     def _drop_rest(self, job: _Job) -> None:
         lines = list(job.todo)

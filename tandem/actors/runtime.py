@@ -4,8 +4,13 @@ An actor handles one message at a time, in mailbox order, in its own task owned 
 `Supervisor`. A subclass implements `handle` with `match`; what `handle` returns is the reply to
 an `ask` (and is dropped for a `tell`).
 
+A handler that starts long work (an actor's own I/O thread) and must keep its mailbox moving
+returns `Deferred(future)`: the ask is answered with the future's result when it is done, and the
+next message is handled meanwhile.
+
 Invariant: once an actor has stopped (failure or shutdown), every pending ask to it has failed
-with `ActorStopped`, and every later tell / ask fails the same way at once; nothing waits forever.
+with `ActorStopped`, and every later tell / ask fails the same way at once; nothing waits forever
+(a deferred reply too).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter, deque
+from functools import partial
 from typing import Literal
 
 import msgspec
@@ -22,7 +28,8 @@ from tandem.actors.mailbox import Mailbox, MailboxClosed, MailboxFull
 from tandem.actors.messages import Message
 from tandem.actors.trace import Trace
 
-__all__ = ["Actor", "ActorStatistics", "ActorStopped", "MailboxFull", "RecentMessage"]
+__all__ = ["Actor", "ActorStatistics", "ActorStopped", "Deferred", "MailboxFull",
+           "RecentMessage"]
 
 State = Literal["created", "starting", "running", "stopped"]
 
@@ -33,6 +40,17 @@ class ActorStopped(Exception):
     def __init__(self, name: str) -> None:
         super().__init__(f"actor {name} stopped")
         self.actor = name
+
+
+class Deferred:
+    """What a handler returns to answer its ask later: the reply is ``future``'s result once it
+    is done (its exception, if it raised). The actor owns the work behind it; the handler's
+    statistics time only the handler."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: asyncio.Future) -> None:
+        self.future = future
 
 
 class Envelope(msgspec.Struct):
@@ -207,7 +225,13 @@ class Actor:
         self.current_message_type = None
         self.current_sender = None
 
-        if envelope.correlation_id is not None:
+        if isinstance(result, Deferred):
+            if envelope.correlation_id is not None:
+                # Left in _pending, so that a stop fails it like any other pending ask.
+                reply = self._pending.get(envelope.correlation_id)
+                if reply is not None:
+                    result.future.add_done_callback(partial(_answer_later, reply))
+        elif envelope.correlation_id is not None:
             reply = self._pending.pop(envelope.correlation_id, None)
             if reply is not None and not reply.done():
                 reply.set_result(result)
@@ -254,6 +278,17 @@ class Actor:
         error = ActorStopped(self.name)
         error.__cause__ = self._stop_cause
         return error
+
+
+def _answer_later(reply: asyncio.Future, done: asyncio.Future) -> None:
+    if reply.done():  # the ask timed out, or the actor stopped
+        return
+    if done.cancelled():
+        reply.cancel()
+    elif done.exception() is not None:
+        reply.set_exception(done.exception())
+    else:
+        reply.set_result(done.result())
 
 
 def _sender_name(sender: Actor | str | None) -> str | None:

@@ -96,3 +96,11 @@ class DrainSpill(Message):
 
 class SpillDrained(Message):
     pass
+
+
+class SpillWriterFaulted(Message):
+    """Sender: the spill writer to itself, when a save, a restore or a sweep raised something
+    that is no spill error (a bug); handling it re-raises that, so the supervisor stops the
+    system."""
+
+    error: str

@@ -43,11 +43,21 @@ Budget: ``budget_nbytes`` (``session_spill_gb``) of files; an entry unused for `
 goes, then the least recently used first (``evict``), and a save makes room the same way.
 When an entry was last used is its manifest's mtime, so it survives a restart.
 
-Thread rule: the index is touched under ``self._lock``; one save or restore at a time (the
-spill writer owns the instance); ``offer`` may run beside them. A save or restore overlaps its
-own files on the spill's I/O thread (``_io``, closed by ``close``): a save writes file k while
-the caller encodes file k+1, a restore reads and decompresses file k+1 while the caller checks
-and copies file k; neither returns, nor fails, before ``_io`` is done with its folder.
+Its own I/O path: ``io_lock`` is held across each save, each restore, a clear and a sweep, so
+the engine thread may call ``restore`` beside the spill writer's save (one at a time, the wait
+timed as ``lock``); the staging buffer is the spill's own; while a save runs the disk writer
+waits between two of its files (``turns``, tandem.io.turns). Every save logs one line,
+``spill_saved``, with where its time went.
+
+Write budget: every byte of a block, an anchor and a manifest is added to ``guard`` (the disk
+tier's WriteGuard, the day's count) as it is written; whether a save may run is the caller's
+question (the spill writer asks the guard).
+
+Thread rule: the index is touched under ``self._lock``; one save or restore at a time
+(``io_lock``); ``offer`` may run beside them. A save or restore overlaps its own files on the
+spill's I/O thread (``_io``, closed by ``close``): a save writes file k while the caller
+encodes file k+1, a restore reads and decompresses file k+1 while the caller checks and copies
+file k; neither returns, nor fails, before ``_io`` is done with its folder.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -77,10 +87,14 @@ from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, o
 from tandem.io.fingerprint import Identity
 from tandem.io.spill_codec import (CODEC_VERSION, BlockHeader, CodecError, SpillCodec,
                                    _dtype_name)
+from tandem.io.turns import IoTurns
 from tandem.kernels.blocksums import block_sums, host_sums, sections_sums, views_block_sums
 from tandem.kernels.planes import cut_planes
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
+
+if TYPE_CHECKING:
+    from tandem.io.write_guard import WriteGuard
 
 log = structlog.get_logger("tandem.spill")
 
@@ -265,9 +279,13 @@ class SaveReport(msgspec.Struct, frozen=True):
     evicted: int  # other entries this save made room by deleting
     end_kept_from_disk: bool  # no end given, every block unchanged: the one on disk stayed
     skipped: Literal["", "budget", "nothing"] = ""
-    # Where the time went, ms: sums, copy (planes to the host), compress, write, fsync,
-    # anchors (the anchors' share of copy+compress+write+fsync), manifest, total.
+    # Where the time went, ms: writer (the caller's queue wait, before the save), lock (the
+    # wait for io_lock), waits (for the disk writer's file under way), staging (growing the
+    # staging buffer), sums, copy (planes to the host), compress, write, fsync, anchors (the
+    # anchors' share of copy+compress+write+fsync), manifest, total (the save's own, lock
+    # included, writer not).
     ms: dict[str, float] = {}
+    manifest_nbytes: int = 0  # the manifest's bytes, beside nbytes_written
 
 
 @dataclass
@@ -281,7 +299,7 @@ class RestoreReport:
     nbytes_read: int
     anchors: dict[int, SectionsCopy]  # every grid anchor, read and checked
     end: SpillEnd | None  # the end anchor, read and checked (its sections a copy)
-    ms: dict[str, float]  # read, decode, sums, copy, anchors, total
+    ms: dict[str, float]  # lock, read, decode, sums, copy, anchors, total
 
 
 class SpillOffer(msgspec.Struct, frozen=True):
@@ -349,7 +367,10 @@ class SessionSpill:
     def __init__(self, root: str | os.PathLike, identity: Identity, grid: int, *,
                  budget_nbytes: int = BUDGET_NBYTES, ttl_s: float = TTL_S,
                  codec: SpillCodec | None = None, codec_version: int = CODEC_VERSION,
-                 direct: bool = True, overlap: bool = True, wall=time.time):
+                 direct: bool = True, overlap: bool = True, wall=time.time,
+                 guard: "WriteGuard | None" = None, turns: IoTurns | None = None):
+        """``guard``: the day's write budget every written byte is added to (None: not
+        counted); ``turns``: shared with the disk writer (default: the spill's own)."""
         if grid <= 0:
             raise ValueError("the grid must be positive")
         root = Path(root)
@@ -365,7 +386,10 @@ class SessionSpill:
         self._own_codec = codec is None
         self.codec = codec if codec is not None else SpillCodec()
         self.root_fd = open_folder(root)
-        self._lock = threading.Lock()
+        self.guard = guard
+        self.turns = turns if turns is not None else IoTurns()
+        self._lock = threading.Lock()  # the index; held briefly, never across I/O
+        self.io_lock = threading.Lock()  # one save, restore, clear or sweep at a time
         self._index: dict[str, _Indexed] = {}
         self.dropped_at_open: dict[str, int] = {}
         # The codec's overlap (spec: "two writer threads"): a save cuts and compresses file
@@ -509,6 +533,31 @@ class SessionSpill:
         fsync_folder(self.root_fd)
         return True
 
+    def clear(self) -> dict[str, int]:
+        """Delete every entry (after the save or restore under way): what went."""
+        with self.io_lock:
+            with self._lock:
+                gone = dict(self._index)
+            for eid in gone:
+                self.delete(eid)
+        return {"entries": len(gone), "nbytes": sum(e.manifest.nbytes for e in gone.values())}
+
+    def sweep(self, now: float | None = None) -> list[str]:
+        """``evict`` between two saves or restores (the spill writer's periodic sweep): the
+        entries unused for ``ttl_s``, then the least recently used over the budget."""
+        with self.io_lock:
+            return self.evict(now)
+
+    def statistics(self) -> dict[str, Any]:
+        with self._lock:
+            entries = list(self._index.values())
+        return {"entries": len(entries),
+                "nbytes": sum(e.manifest.nbytes for e in entries),
+                "tokens": sum(e.manifest.valid for e in entries),
+                "budget_nbytes": self.budget_nbytes, "ttl_s": self.ttl_s,
+                "oldest_used": min((e.last_used for e in entries), default=None),
+                "dropped_at_open": dict(self.dropped_at_open)}
+
     def evict(self, now: float | None = None, need_nbytes: int = 0,
               keep: str | None = None) -> list[str]:
         """Delete every entry unused for ``ttl_s``, then the least recently used until the
@@ -537,11 +586,32 @@ class SessionSpill:
 
     def save(self, eid: str, state: CacheState, valid: int, token_ids: Sequence[int],
              anchors: Mapping[int, SectionsCopy | Mapping[str, torch.Tensor]],
-             end: SpillEnd | None, meta: EntryMeta, *, now: float | None = None) -> SaveReport:
+             end: SpillEnd | None, meta: EntryMeta, *, now: float | None = None,
+             writer_ms: float = 0.0) -> SaveReport:
         """Write the conversation: rows ``[0, valid)`` of every view, the newest 4 of
         ``anchors`` (grid lines at or below ``valid``), ``end`` and ``meta``, keeping every
         block and anchor of the entry's files whose content is unchanged. Raises
-        ``SpillWriteFailed`` (the entry gone) on an I/O error."""
+        ``SpillWriteFailed`` (the entry gone) on an I/O error. Under ``io_lock``, the disk
+        writer waiting meanwhile; ``writer_ms``: how long the save waited in its caller's
+        queue, for the log line."""
+        t = time.perf_counter()
+        with self.io_lock:
+            lock_ms = _ms(t)
+            with self.turns.save() as waits_ms:
+                report = self._save(eid, state, valid, token_ids, anchors, end, meta, now=now)
+        ms = {"writer": writer_ms, "lock": lock_ms, "waits": waits_ms, **report.ms,
+              "total": _ms(t)}
+        report = msgspec.structs.replace(report, ms=ms)
+        log.info("spill_saved", eid=eid[:12], rows=valid, skipped=report.skipped,
+                 blocks_written=report.blocks_written, blocks_kept=report.blocks_kept,
+                 anchors_written=report.anchors_written, anchors_kept=report.anchors_kept,
+                 nbytes=report.nbytes_written, raw_nbytes=report.raw_nbytes_written,
+                 evicted=report.evicted, **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
+        return report
+
+    def _save(self, eid: str, state: CacheState, valid: int, token_ids: Sequence[int],
+              anchors: Mapping[int, SectionsCopy | Mapping[str, torch.Tensor]],
+              end: SpillEnd | None, meta: EntryMeta, *, now: float | None) -> SaveReport:
         t_all = time.perf_counter()
         now = self.wall() if now is None else now
         if eid != meta.entry_id:
@@ -559,7 +629,7 @@ class SessionSpill:
         if end is not None and not 0 < end.length <= valid:
             raise ValueError(f"an end anchor at {end.length} outside the {valid} rows")
         tokens = [int(t) for t in token_ids[:valid]]
-        ms = dict.fromkeys(("sums", "copy", "compress", "write", "fsync", "anchors",
+        ms = dict.fromkeys(("staging", "sums", "copy", "compress", "write", "fsync", "anchors",
                             "manifest"), 0.0)
 
         t = time.perf_counter()
@@ -635,7 +705,6 @@ class SessionSpill:
                        + sum(p[1].file_nbytes for p in anchor_plan if p[1] is not None)
                        + (end_keep.file_nbytes if end_keep is not None else 0))
         if raw_need + kept_nbytes > self.budget_nbytes:
-            log.info("spill_save_skipped", eid=eid[:12], why="budget", need=raw_need)
             return SaveReport(eid, valid, 0, 0, 0, 0, 0, 0, 0, len(evicted), False, "budget",
                               dict(ms, total=_ms(t_all)))
 
@@ -708,7 +777,9 @@ class SessionSpill:
                 m = Manifest(MANIFEST_VERSION, self.identity.fingerprint, G,
                              str(meta.namespace), meta.session, valid, meta.taint, tokens,
                              views, sections, blocks, anchor_recs, end_rec, now, meta.extra)
-                write_atomic_at(fd, MANIFEST, manifest_bytes(m), TMP)
+                data = manifest_bytes(m)
+                write_atomic_at(fd, MANIFEST, data, TMP)
+                self._count(len(data))
                 ms["manifest"] = _ms(t)
                 named = {f.name for f in m.files()}
                 for name in os.listdir(fd):
@@ -740,12 +811,12 @@ class SessionSpill:
         report = SaveReport(eid, valid, num_blocks - kept_blocks, kept_blocks,
                             len(anchor_plan) + (end_rec is not None) - kept_anchors,
                             kept_anchors, written, raw_written, m.nbytes, len(evicted),
-                            end_kept_from_disk, "", ms)
-        log.info("spill_saved", eid=eid[:12], rows=valid, blocks_written=report.blocks_written,
-                 blocks_kept=kept_blocks, anchors_written=report.anchors_written,
-                 anchors_kept=kept_anchors, nbytes=written, raw_nbytes=raw_written,
-                 **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
+                            end_kept_from_disk, "", ms, len(data))
         return report
+
+    def _count(self, nbytes: int) -> None:
+        if self.guard is not None and nbytes:
+            self.guard.add(nbytes, "spill")
 
     def _write_file(self, fd: int, name: str, start: int, stop: int,
                     parts: list[tuple[torch.Tensor, tuple[int, int]]],
@@ -790,6 +861,7 @@ class SessionSpill:
         try:
             if data.nbytes:
                 f.pwrite_from(data, 0)
+                self._count(data.nbytes)  # on the disk now, whatever happens to the entry
             ms["write"] += _ms(t)
             t = time.perf_counter()
             f.finish_write()
@@ -854,8 +926,17 @@ class SessionSpill:
         highest grid anchor): every block below ``line`` the rows in place do not already hold,
         and the sections at ``line``. Every block read is summed again before a row of it is
         written, and every anchor before it is returned. On a bad file: ``SpillReadFailed``,
-        the entry deleted, the rows below ``intact_below`` untouched."""
-        t_all = time.perf_counter()
+        the entry deleted, the rows below ``intact_below`` untouched. Under ``io_lock`` (the
+        engine thread may call it beside the spill writer's save: it waits for it)."""
+        t = time.perf_counter()
+        with self.io_lock:
+            lock_ms = _ms(t)
+            return self._restore(eid, state, rows_in_place, line=line, now=now, t_all=t,
+                                 lock_ms=lock_ms)
+
+    def _restore(self, eid: str, state: CacheState, rows_in_place: Sequence[int], *,
+                 line: int | None, now: float | None, t_all: float,
+                 lock_ms: float) -> RestoreReport:
         now = self.wall() if now is None else now
         with self._lock:
             e = self._index.get(eid)
@@ -875,6 +956,7 @@ class SessionSpill:
                 raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
         in_place = common_prefix(rows_in_place, m.token_ids)
         ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors", "read_wait"), 0.0)
+        ms["lock"] = lock_ms
         todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
         skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
         intact_below = todo[0].start if todo else line
@@ -1026,7 +1108,8 @@ class _WritePipe:
         self._turn = 0
         self._writes: list[Future] = []
         self._stopped = False
-        self.ms = {"write": 0.0, "fsync": 0.0, "stage_wait": 0.0}  # the writer's, and waits
+        # the writer's, the waits, and growing the stages
+        self.ms = {"write": 0.0, "fsync": 0.0, "stage_wait": 0.0, "staging": 0.0}
 
     def stage(self, nbytes: int) -> np.ndarray:
         self._turn ^= 1
@@ -1037,7 +1120,9 @@ class _WritePipe:
             self.ms["stage_wait"] += _ms(t)
         stages = self.spill._stages
         if stages[self._turn].nbytes < nbytes:
+            t = time.perf_counter()
             stages[self._turn] = aligned(nbytes)
+            self.ms["staging"] += _ms(t)
         return stages[self._turn]
 
     def put(self, name: str, nbytes: int) -> None:
@@ -1076,12 +1161,14 @@ class _WritePipe:
 
 # -- helpers --------------------------------------------------------------------------------
 
-def make_session_spill(config: Any, identity: Identity, grid: int) -> SessionSpill:
+def make_session_spill(config: Any, identity: Identity, grid: int, *,
+                       guard: "WriteGuard | None" = None) -> SessionSpill:
     """The server's spill from ``config.spill``, under the disk tier's folder (``sessions/``),
-    with the tier's identity; opened."""
+    with the tier's identity and write guard (``DiskTier.guard``: one day's count for both);
+    opened."""
     s = config.spill
     spill = SessionSpill(config.disk_cache_path() / "sessions", identity, grid,
-                         budget_nbytes=int(s.session_spill_gb * GB))
+                         budget_nbytes=int(s.session_spill_gb * GB), guard=guard)
     spill.open()
     return spill
 

@@ -23,6 +23,8 @@ from tandem.actors.disk_writer import DiskWriterActor
 from tandem.actors.engine_actor import EngineActor
 from tandem.actors.engine_messages import ClearCaches, Drain, EngineDrained
 from tandem.actors.governor import GetMemoryReport, GovernorActor
+from tandem.actors.spill_messages import ClearSpill, DrainSpill, GetSpillStats
+from tandem.actors.spill_writer import SpillWriterActor
 from tandem.actors.store import ClearStore, GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
 from tandem.actors.tier_messages import GetTierStats
@@ -52,6 +54,7 @@ from tandem.server.keys import (
     JOURNAL,
     MEMORY,
     MODEL_NAME,
+    SPILL_WRITER,
     SUFFIX,
     SUPERVISOR,
 )
@@ -81,7 +84,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     if loaded.tokenizer is None:
         raise ValueError(f"model {loaded.name!r} has no tokenizer; the server needs one")
     governor = governor_actor = None
-    suffix = store = tiers = disk_writer = None
+    suffix = store = tiers = disk_writer = spill_writer = None
     spec = config.speculation
     if engine is None:
         e = config.engine
@@ -143,11 +146,22 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                                     model_dir=getattr(loaded, "path", None))
                             if caches and config.disk.disk_cache != "off" else None))
         if caches and config.disk.disk_cache != "off":
+            spill_on = config.spill.session_spill == "on"
             # The tier is built on the engine thread from the engine's manifest; the writer
             # takes it once the engine has started (it is added after it).
-            disk_writer = DiskWriterActor("disk_writer", tier=lambda: engine.disk_tier,
-                                          engine=engine)
+            disk_writer = DiskWriterActor(
+                "disk_writer", tier=lambda: engine.disk_tier, engine=engine,
+                # the spill's turns on the drive: the writer gives way to a save
+                spill_turns=(lambda: getattr(getattr(engine, "spill", None), "turns", None))
+                if spill_on else None)
             engine.disk_writer = disk_writer
+            if spill_on:
+                # The spill too is the engine thread's to build (beside the tier, with its
+                # identity); the tier's write guard counts its bytes.
+                spill_writer = SpillWriterActor(
+                    "spill_writer", spill=lambda: getattr(engine, "spill", None),
+                    guard=lambda: getattr(engine.disk_tier, "guard", None))
+                engine.spill_writer = spill_writer
     supervisor = Supervisor()
     if suffix is not None:
         supervisor.add(suffix)  # before the engine: its drafter reads the suffix store
@@ -158,6 +172,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     supervisor.add(engine)
     if disk_writer is not None:
         supervisor.add(disk_writer)  # after the engine, which builds its tier
+    if spill_writer is not None:
+        supervisor.add(spill_writer)  # after the engine, which builds the spill
     if governor is not None:
         supervisor.add(governor_actor)
     journal = Journal(config.journal_path())
@@ -204,10 +220,13 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     app[MODEL_NAME] = loaded.name
     app[SUFFIX] = suffix
     app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix, tuple(tiers or ()),
-                               disk_writer)
+                               disk_writer, spill_writer)
     app[DISK_WRITER] = disk_writer
+    app[SPILL_WRITER] = spill_writer
     if disk_writer is not None:
         _disk_metrics(metrics, engine)
+    if spill_writer is not None:
+        _spill_metrics(metrics, spill_writer)
     if governor_actor is not None:
         app[MEMORY] = partial(_memory_report, governor_actor)
     app.cleanup_ctx.append(_system)
@@ -276,7 +295,8 @@ async def _ask(actor: Actor, msg, what: str):
 
 async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
                        suffix: SuffixActor | None, tiers: tuple[Actor, ...] = (),
-                       disk_writer: Actor | None = None) -> dict:
+                       disk_writer: Actor | None = None,
+                       spill_writer: Actor | None = None) -> dict:
     # The resident's counters as the engine actor published them on the loop after the last
     # generation (never a tier's live state, which is the engine thread's).
     doc = getattr(engine, "cache_stats", {"tiers": {}})
@@ -290,6 +310,8 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["suffix"] = suffix.report()
     if disk_writer is not None:
         extra["disk"] = (await _ask(disk_writer, GetDiskStats(), "disk tier")).stats
+    if spill_writer is not None and spill_writer.on:
+        extra["spill"] = (await _ask(spill_writer, GetSpillStats(), "session spill")).stats
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
     if tiers:
@@ -320,6 +342,14 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await drain(state.engine, DRAIN_TIMEOUT_S)
+        spill_writer = app[SPILL_WRITER]
+        if spill_writer is not None:
+            # The drain's saves (the live conversations) are on the disk before the actors
+            # stop; the disk tier's last files wait for them anyway.
+            try:
+                await spill_writer.ask(DrainSpill(), DRAIN_TIMEOUT_S, sender="server")
+            except (ActorStopped, TimeoutError) as exc:
+                log.warning("spill_drain_unfinished", error=type(exc).__name__)
         if writer is not None:
             # What the last prefills admitted is written (and the counts saved) before the
             # actors stop; a writer that cannot finish in time loses those entries only.
@@ -371,7 +401,7 @@ async def metrics_route(request: web.Request) -> web.Response:
 async def cache_stats(request: web.Request) -> web.Response:
     return web.json_response(await request.app[CACHE_STATS]())
 
-CLEARABLE = ("disk", "all")  # POST /v1/cache/clear?tier=...
+CLEARABLE = ("disk", "spill", "all")  # POST /v1/cache/clear?tier=...
 # What ``all`` leaves: the suffix store is the drafter's token history, no prompt cache.
 KEPT_BY_ALL = ("suffix",)
 
@@ -379,8 +409,9 @@ KEPT_BY_ALL = ("suffix",)
 @admin_route
 async def cache_clear(request: web.Request) -> web.Response:
     """Empty cache tiers (admin). ``?tier=disk``: the disk tier's files and its admission
-    counts, after the writes queued before it (409 when the tier is off). ``?tier=all``: the
-    disk tier (when on), the state store (every entry not lent to a restore under way) and the
+    counts, after the writes queued before it (409 when the tier is off). ``?tier=spill``: the
+    session spill's entries, after the save or restore under way (409 when the spill is off).
+    ``?tier=all``: the disk tier and the spill (when on), the state store (every entry not lent to a restore under way) and the
     response cache; the answer names the tiers ``cleared``, those ``kept`` (KEPT_BY_ALL, where
     they run) and the counts ``dropped`` of each, and each clear is journaled."""
     tier = request.query.get("tier", "")
@@ -390,8 +421,13 @@ async def cache_clear(request: web.Request) -> web.Response:
     app = request.app
     state = app[STATE]
     writer = app[DISK_WRITER]
+    spill_writer = app[SPILL_WRITER]
+    if spill_writer is not None and not spill_writer.on:
+        spill_writer = None  # the engine built no spill: off, as when not configured
     if tier == "disk" and writer is None:
         raise ApiError(409, "the disk tier is off on this server", code="tier_off")
+    if tier == "spill" and spill_writer is None:
+        raise ApiError(409, "the session spill is off on this server", code="tier_off")
     dropped: dict[str, dict[str, int]] = {}
     if tier == "all":
         engine = state.engine
@@ -402,10 +438,13 @@ async def cache_clear(request: web.Request) -> web.Response:
                            retry_after_s=reply.retry_after_s)
         if reply.dropped:
             dropped["resident"] = dict(reply.dropped)
-    if writer is not None:
+    if writer is not None and tier in ("disk", "all"):
         reply = await _ask(writer, ClearDisk(), "disk tier")
         journal_disk_events(writer.tier, state.journal)  # the events before the clear first
         dropped["disk"] = {k: int(v) for k, v in reply.dropped.items()}
+    if spill_writer is not None and tier in ("spill", "all"):
+        reply = await _ask(spill_writer, ClearSpill(), "session spill")
+        dropped["spill"] = {k: int(v) for k, v in reply.dropped.items()}
     if tier == "all":
         store = app[SUPERVISOR].actors.get("store")
         if store is not None:
@@ -415,18 +454,37 @@ async def cache_clear(request: web.Request) -> web.Response:
             entries, nbytes = cache.statistics()["entries"], cache.nbytes
             cache.clear()
             dropped["response"] = {"entries": entries, "nbytes": nbytes}
-    tasks = {"disk": "disk_cache", "store": "store", "response": "response_cache",
-             "resident": "resident"}
+    tasks = {"disk": "disk_cache", "spill": "session_spill", "store": "store",
+             "response": "response_cache", "resident": "resident"}
     for name, counts in dropped.items():
         state.journal.append(EventRow(kind="memory", task=tasks[name], event="clear",
                                       t=time.time(), detail=counts))
         log.info("cache_cleared", tier=name, **counts)
-    if tier == "disk":
-        return web.json_response({"tier": tier, "cleared": ["disk"], "dropped": dropped["disk"]})
+    if tier in ("disk", "spill"):
+        return web.json_response({"tier": tier, "cleared": [tier], "dropped": dropped[tier]})
     running = app[SUPERVISOR].actors  # the resident, park and suffix actors where they run
     return web.json_response({"tier": tier, "cleared": list(dropped),
                               "kept": [name for name in KEPT_BY_ALL if name in running],
                               "dropped": dropped})
+
+
+def _spill_metrics(metrics: Metrics, writer: SpillWriterActor) -> None:
+    """The session spill's gauges, read from its writer's report when scraped (the writer's
+    counters and the spill's index under its own lock; nothing asked of the actor)."""
+    def read(key: str):
+        def value() -> float:
+            return float(writer.report().get(key, 0) or 0)
+        return value
+
+    for key, name, doc in (
+            ("entries", "entries", "Conversations the session spill holds."),
+            ("nbytes", "nbytes", "Bytes the session spill's files hold."),
+            ("saves", "saves_total", "Conversations the spill writer saved."),
+            ("restores", "restores_total", "Conversations read back from the session spill."),
+            ("skips_total", "skips_total",
+             "Saves the spill writer did not write (the write guard, the budget, a failure)."),
+            ("failures", "failures_total", "Spill saves that failed (nothing partial kept).")):
+        metrics.gauge(f"tandem_session_spill_{name}", doc, read(key))
 
 
 def _disk_metrics(metrics: Metrics, engine: EngineActor) -> None:

@@ -18,6 +18,8 @@
 - SUFFIX: the suffix store actor (``report() -> dict`` for /health), or None when there is none.
 - DISK_WRITER: the disk tier's writer actor (asked for its stats and a clear), or None when the
   tier is off.
+- SPILL_WRITER: the session spill's writer actor (asked for its stats, a clear and the drain;
+  ``report()`` for /metrics), or None when the spill is off.
 """
 
 from __future__ import annotations
@@ -35,3 +37,4 @@ CACHE_STATS: web.AppKey[Callable[[], Any]] = web.AppKey("cache_stats", object)
 MEMORY: web.AppKey[Callable[[], Any]] = web.AppKey("memory", object)
 SUFFIX: web.AppKey[Any] = web.AppKey("suffix", object)
 DISK_WRITER: web.AppKey[Any] = web.AppKey("disk_writer", object)
+SPILL_WRITER: web.AppKey[Any] = web.AppKey("spill_writer", object)

@@ -6,6 +6,7 @@ import structlog
 from tandem.actors import Actor, ActorStopped, MailboxFull, Message, Supervisor
 from tandem.actors.harness import FakeClock
 from tandem.actors.loop import install_uvloop
+from tandem.actors.runtime import Deferred
 
 SECRET = "the user's private prompt text"
 
@@ -157,6 +158,38 @@ async def test_ask_returns_what_the_handler_returns():
     echo = supervisor.add(Echo("echo"))
     async with supervisor:
         assert await echo.ask(Ping(7), 1.0) == Pong(7)
+
+
+class Later(Actor):
+    """Answers a Hold later (when the test resolves ``job``), a Ping at once meanwhile."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.job: asyncio.Future | None = None
+
+    async def handle(self, msg: Message) -> object | None:
+        match msg:
+            case Hold():
+                self.job = asyncio.get_running_loop().create_future()
+                return Deferred(self.job)
+            case Ping(n=n):
+                return Pong(n)
+        raise TypeError(type(msg).__name__)
+
+
+async def test_a_deferred_reply_answers_the_ask_later_and_the_mailbox_moves_on_meanwhile():
+    supervisor = Supervisor()
+    later = supervisor.add(Later("later"))
+    async with supervisor:
+        held = asyncio.ensure_future(later.ask(Hold(), 5.0))
+        assert await later.ask(Ping(3), 5.0) == Pong(3)  # answered while the Hold is not
+        assert not held.done() and later.statistics().pending_asks == 1
+        later.job.set_result(Pong(9))
+        assert await asyncio.wait_for(held, 5.0) == Pong(9)
+        stuck = asyncio.ensure_future(later.ask(Hold(), 5.0))
+        await later.ask(Ping(4), 5.0)
+    with pytest.raises(ActorStopped):  # a stop fails a deferred reply like any pending ask
+        await asyncio.wait_for(stuck, 5.0)
 
 
 async def test_a_failing_handler_stops_the_system_and_a_pending_ask_to_another_actor_fails_at_once():
