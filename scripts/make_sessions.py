@@ -286,6 +286,21 @@ def two_folders(seed: int) -> list[dict]:
     return rows
 
 
+def three_conversations(seed: int) -> list[dict]:
+    """Three agent sessions in three folders, then the first again: with one slot the first
+    leaves for the park, the park gives it up to the second, and its next turn reads it back
+    from the session spill."""
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    names = ("ledger", "weather", "invoices")
+    a, b, c = (Opencode(rows, f"ses_three_{n}", f"/home/dev/projects/{n}", rng) for n in names)
+    a.turn(TASKS[0], 1, 30)
+    b.turn(TASKS[1], 1, 30)
+    c.turn(TASKS[2], 1, 30)
+    a.turn(TASKS[3], 1, 30)
+    return rows
+
+
 # -- Open WebUI ------------------------------------------------------------------------------
 
 
@@ -342,6 +357,7 @@ def library() -> dict[str, list[dict]]:
         "openwebui_short.jsonl": openwebui_session(2, 3),
         "two_folders.jsonl": two_folders(3),
         "restart.jsonl": opencode_session("restart", 4, [(1, 30), (1, 30)], restart_after=0),
+        "three_conversations.jsonl": three_conversations(6),
         "opencode_long.jsonl.gz": opencode_session(
             "long", 5, [(3, 120)] * 7 + [(2, 60)] * 2, compact_after=6),
     }

@@ -63,11 +63,14 @@ from tandem.actors.engine_messages import (
     PrefillAdmitted,
     PromptLogprobs,
     ReleaseCaptureLock,
+    ReadSpill,
     RequestCaptureLock,
+    SpillSlots,
     TokenGenerated,
 )
 from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
 from tandem.actors.disk_messages import DiskJob, Fence
+from tandem.actors.engine_spill import EngineSpill
 from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.messages import Message
@@ -89,6 +92,7 @@ from tandem.cache.planner import Planner
 from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer,
                                    ResidentPrefix, Resume, choose, park_offer, resident_offer)
 from tandem.cache.store import StateStore
+from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.models.base import ModelError
 from tandem.models.rows import release_rows
@@ -258,7 +262,7 @@ class _Outside:
         self.grant_id = grant_id
 
 
-class EngineActor(Actor):
+class EngineActor(EngineSpill, Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
                  make_store: Callable[[Engine], StateStore] | None = None,
@@ -271,6 +275,9 @@ class EngineActor(Actor):
                  executor: ThreadPoolExecutor | None = None,
                  make_disk_tier: Callable[[Engine], Any] | None = None,
                  disk_writer: Actor | None = None,
+                 make_spill: Callable[[Engine, Any], Any] | None = None,
+                 spill_writer: Actor | None = None, spill_min_tokens: int = 16384,
+                 spill_park_min_tokens: int = 4096,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -302,7 +309,11 @@ class EngineActor(Actor):
         writer actor, which may be set after construction): the plan asks
         the tier for its offer and what the prefill writes, the engine thread reads its files
         and stages the anchors' sections, and the writer is told the job after the prefill and
-        fences it before the slot's rows are written again (None: no disk tier)."""
+        fences it before the slot's rows are written again (None: no disk tier);
+        ``make_spill`` (run on the engine thread after the disk tier, over the engine and the
+        tier: tandem.io.spill.make_session_spill's identity and grid), ``spill_writer`` (its
+        writer actor, may be set later) and the two thresholds of what leaves a slot for it
+        (tandem/actors/engine_spill.py; None: no session spill)."""
         super().__init__(name, mailbox_capacity=mailbox_capacity, **actor_options)
         self._tiers = tiers
         if parallel < 1 or (parallel > 1 and tiers is None):
@@ -343,6 +354,7 @@ class EngineActor(Actor):
         self._make_disk_tier = make_disk_tier
         self.disk_tier: Any = None  # tandem.io.tier.DiskTier, built on the engine thread
         self.disk_writer = disk_writer
+        self._init_spill(make_spill, spill_writer, spill_min_tokens, spill_park_min_tokens)
         self._last_slot = 0  # the slot the last plan placed in
         # The jobs running (admitted, in a slot), and the one whose plan is made or whose
         # prefill runs: prefills run one at a time, each's plan made when the one before it
@@ -453,6 +465,7 @@ class EngineActor(Actor):
         self._build_parts(0, engine)
         if self._make_disk_tier is not None and self._make_resident is not None:
             self.disk_tier = self._make_disk_tier(engine)
+            self._build_spill(engine)
         if self._make_resident is not None:
             if self.end_align and self._tiers is None:
                 self.ends = EndRecords(
@@ -690,6 +703,10 @@ class EngineActor(Actor):
                 return self._drain(reply_to)
             case ClearCaches():
                 return await self._clear_caches()
+            case SpillSlots():
+                return await self._spill_slots()
+            case ReadSpill():
+                return await self._read_spill()
             case RequestCaptureLock(holder=holder, reply_to=reply_to):
                 self._lock.enqueue(_Outside(holder, reply_to, next(self._grant_ids)))
                 self._pump()
@@ -1213,6 +1230,11 @@ class EngineActor(Actor):
         self._cache_gate.release()
         job.plan = self._plans[job.request_id] = plan
         await self._fence(job, plan)
+        try:
+            await self._spill_leaving(job, plan)
+        except Exception as exc:  # the conversation is lost to the NVMe, not the request
+            log.error("spill_leaving_failed", request_id=job.request_id,
+                      error=type(exc).__name__)
         if self._trace is not None:
             self._trace.record(plan, sender=self.name, receiver=f"{self.name}.thread",
                                wall_time_s=self.clock.wall_time(), handler_ms=0.0,
@@ -1245,6 +1267,19 @@ class EngineActor(Actor):
         alignment = (await self._align(job) if r.holdings.records is not None and not scored
                      and not job.side else None)
         served = alignment.served if alignment is not None else prompt
+        spill_offer = None
+        if alignment is None and not scored and self.spill is not None:
+            # The spill's entry for the copy: as it came, or aligned on the entry's own end
+            # (a copy without its reasoning resumes there, as in RAM). The alignment is taken
+            # only when the entry would serve over the resident's offer of the copy.
+            spill_offer, spill_alignment = self._spill_candidate(job, prompt,
+                                                                 r.holdings.records)
+            if spill_alignment is not None and weigh(
+                    spill_offer, mine.resume.start, len(spill_alignment.served),
+                    self.view.prefix_chunk or 1, self._prefill_rate(),
+                    self._restore_rate())[0]:
+                alignment = r.holdings.records.count(spill_alignment)
+                served = alignment.served
         if served is not prompt:
             # The copy is served as other rows: the same offers, over the same lent holdings,
             # for the rows served.
@@ -1287,10 +1322,23 @@ class EngineActor(Actor):
                                    job.session, namespace, resume, mine.shared,
                                    mine.continuing, rows, self._slot_taint[job.slot])
         disk_offer, disk_plan = self._plan_disk(job, served, resume, scored)
+        ram = resume
         if disk_offer is not None:
             # The resident's moves put the engine at its start; the disk's files go on from
             # there (tandem.io.tier.DiskTier.restore), on the engine thread.
             resume = Resume(disk_offer.line, "disk")
+        if spill_offer is not None:
+            best = Resume(resume.start, ram.source, guest=ram.guest)
+            if self._weigh_spill(job, spill_offer, best, len(served)):
+                # The resident's moves put the engine at its own start; the entry's blocks go
+                # on over the rows in place (tandem.io.spill.SessionSpill.restore), on the
+                # engine thread. Its rows are another copy's: the disk writes nothing of them.
+                if disk_plan is not None:
+                    self._drop_disk_plan(disk_plan)
+                disk_offer = disk_plan = None
+                resume = Resume(spill_offer.line, "spill")
+            else:
+                spill_offer = None
         return build_plan(job.request_id, served, self.view.prefix_chunk, mine, theirs,
                           resume, r.holdings, p.holdings, scored=scored, moves=moves,
                           session_put=store is not None,
@@ -1299,7 +1347,7 @@ class EngineActor(Actor):
                           alignment=alignment, store_offer=store_start,
                           store_entry=planned["entry"], store_lines=dict(planned["lines"]),
                           workspace_nbytes=workspace, disk_offer=disk_offer,
-                          disk_plan=disk_plan)
+                          disk_plan=disk_plan, spill_offer=spill_offer, spill_base=ram)
 
     def _plan_disk(self, job: _Job, served: Sequence[int], resume: Resume,
                    scored: bool) -> tuple[Any, Any]:
@@ -1543,6 +1591,8 @@ class EngineActor(Actor):
             base = (Resume(plan.start, plan.source, guest=plan.guest)
                     if plan.disk_offer is None else
                     Resume(plan.resident_offer, "resident" if plan.resident_offer else "cold"))
+            if plan.spill_offer is not None:
+                base = Resume(plan.spill_base, plan.spill_base_source)
             resident.decided(served, Decided(base, plan.shared, plan.continuing, plan.moves))
             lines = set(plan.anchor_lines)
             staging = set(plan.disk_lines)
@@ -1578,6 +1628,8 @@ class EngineActor(Actor):
                 self._return_park(job)
                 if plan.disk_offer is not None:
                     resume = self._restore_disk(job, plan, served, resume)
+                if plan.spill_offer is not None:
+                    resume = self._restore_spill(job, plan, served)
         except BaseException:
             self._abort(planner, ends)
             raise
@@ -1862,7 +1914,8 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                store_lines: dict[int, str] | None = None,
                workspace_nbytes: int = 0, moves: Any = None, session_put: bool = False,
                keep_end: bool = False, disk_offer: Any = None,
-               disk_plan: Any = None) -> PrefillPlan:
+               disk_plan: Any = None, spill_offer: Any = None,
+               spill_base: Resume | None = None) -> PrefillPlan:
     """The plan for the rows ``served`` (the loop's part of a request's way; pure): ``resume``
     chosen over the resident's and the park's offers (and the store's, ``store_offer``), the
     grid lines the resident anchors as the prefill passes them (``scored``: the prompt's
@@ -1880,7 +1933,10 @@ def build_plan(request_id: str, served: Sequence[int], chunk: int, mine: Residen
                        store_entry=store_entry, store_lines=store_lines or {},
                        workspace_nbytes=workspace_nbytes, resident=resident, park=park,
                        disk_offer=disk_offer, disk_plan=disk_plan,
-                       disk_lines=list(disk_plan.anchor_lines) if disk_plan is not None else [])
+                       disk_lines=list(disk_plan.anchor_lines) if disk_plan is not None else [],
+                       spill_offer=spill_offer,
+                       spill_base=spill_base.start if spill_base is not None else 0,
+                       spill_base_source=spill_base.source if spill_base is not None else "cold")
 
 
 def _engine_steps(engine: Any, prompt: Sequence[int], params: SamplingParams, **options: Any

@@ -94,6 +94,32 @@ class CachesCleared(Message):
     dropped: dict[str, int] = {}  # resident_nbytes, park_nbytes, rows (the slots' rows in place)
 
 
+class SpillSlots(Message):
+    """Sender: the server at a planned stop, once the engine drained. Receiver: the engine,
+    which writes every slot's conversation to the session spill (its spill writer) while
+    nothing runs, and answers `SlotsSpilled` (``busy`` when something still runs)."""
+
+    reason: Literal["drain"] = "drain"
+
+
+class SlotsSpilled(Message):
+    busy: bool = False
+    saved: int = 0  # entries written
+    skipped: dict[str, int] = {}  # by why (guard, budget, failed, off)
+
+
+class ReadSpill(Message):
+    """Sender: the server at start, before it takes a request. Receiver: the engine, which
+    reads the most recent entries of the session spill back into its empty slots (the newest
+    into slot 0), so that their next turns resume where the last process stopped; answers
+    `SpillRead`."""
+
+
+class SpillRead(Message):
+    read: int = 0  # entries read back into slots
+    failed: int = 0  # entries that failed their checks (deleted)
+
+
 class GenerationAccepted(Message):
     """Reply to `Generate`: queued (0 ahead: it runs now, or once an outside holder of the
     capture lock lets go); `waiting_ahead`: generations that wait before it."""

@@ -121,6 +121,12 @@ class PrefillPlan(Message):
     disk_lines: list[int] = []
     disk_plan: Any = None
     disk_offer: Any = None
+    # The session spill's offer it resumes from (a tandem.io.spill.SpillOffer: the entry read
+    # over the rows in place; source "spill"), and the RAM resume the resident puts the engine
+    # at first (its start and source).
+    spill_offer: Any = None
+    spill_base: int = 0
+    spill_base_source: str = "cold"
     session_put: bool = False  # the store is asked to admit a session snapshot after the decode
     keep_end: bool = False  # the end anchor is kept at the committed tokens (no guest)
     fences: list[Fence] = []
@@ -158,6 +164,19 @@ class GenerationEnded(Message):
     outcome: str
     rows: list[int]
     holdings: Any = None
+
+
+class LendSlot(Message):
+    """Sender: the engine actor, while no generation runs in ``slot`` (a planned stop writes its
+    conversation to the spill; a start reads one back into it). Receiver: the resident, which
+    lends that slot's holdings (`SlotLent`) until a `GenerationEnded` of ``request_id``."""
+
+    request_id: str
+    slot: int
+
+
+class SlotLent(Message):
+    holdings: Any = None  # tandem.cache.resident.ResidentHoldings, lent; None: lent already
 
 
 class GetTierStats(Message):

@@ -23,8 +23,8 @@ from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
 from tandem.actors.runtime import Actor, ActorStopped
 from tandem.actors.tier_messages import (AnchorWritten, ClearHoldings, GenerationEnded,
-                                         GetTierStats, HoldingsCleared, OfferTiers,
-                                         ParkOffered, ResidentOffered, TierStats)
+                                         GetTierStats, HoldingsCleared, LendSlot, OfferTiers,
+                                         ParkOffered, ResidentOffered, SlotLent, TierStats)
 from tandem.cache.memory import Share, check_shares
 from tandem.cache.namespace import Namespace
 from tandem.cache.slots import SlotFacts, place
@@ -169,6 +169,21 @@ class ResidentActor(_Lender):
 
     def _all_holdings(self) -> list[Any]:
         return list(self.slots)
+
+    async def handle(self, msg: Message) -> object | None:
+        if isinstance(msg, LendSlot):
+            return self._lend_slot(msg)
+        return await super().handle(msg)
+
+    def _lend_slot(self, msg: LendSlot) -> SlotLent:
+        """One idle slot's holdings, outside a generation (the spill's drain and start)."""
+        if not 0 <= msg.slot < len(self.slots) or msg.slot in self.lent:
+            return SlotLent(None)
+        self.lent[msg.slot] = msg.request_id
+        self.lent_to = msg.request_id
+        self.lent_total += 1
+        self.holdings = self.slots[msg.slot]
+        return SlotLent(self.holdings)
 
     def _take_back(self, msg: GenerationEnded) -> None:
         slot = next((i for i, held in enumerate(self.slots) if held is msg.holdings), None)

@@ -185,6 +185,19 @@ class EndRecords:
                 best = record
         return best
 
+    def align_record(self, record: EndRecord, prompt: list[int]) -> Alignment | None:
+        """The copy met against a record from elsewhere (a spill entry's end); counted only
+        once served (``count``)."""
+        return self._align(record, prompt)
+
+    def count(self, alignment: Alignment) -> Alignment:
+        return self._count(alignment)
+
+    def adopt(self, record: EndRecord, namespace: Namespace) -> None:
+        """The record of an end read back from elsewhere (the session spill) into place."""
+        self.record = record
+        self._record_namespace = namespace
+
     def forget(self) -> None:
         """A failed forward: the rows in place are not trusted, nor what recorded them."""
         self.record = self.parked_record = None

@@ -9,7 +9,8 @@ Sources (``usage.tandem.cache.source``):
   ``end``: the end of the last answer; ``pin``: the head a compaction pinned; ``park``: a
   conversation parked when another came (all in the resident tier);
 - ``store``: a state store snapshot; ``disk``: the disk tier's chunk and anchor files (above the
-  rows in place); ``response``: the response cache answered, no engine ran.
+  rows in place); ``spill``: a whole conversation read back from the session spill on the NVMe;
+  ``response``: the response cache answered, no engine ran.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Source = Literal["cold", "engine", "resident", "prompt_end", "end", "pin", "park", "store",
-                 "disk", "response"]
-Tier = Literal["resident", "store", "disk", "response"]
+                 "disk", "spill", "response"]
+Tier = Literal["resident", "store", "disk", "spill", "response"]
 # How a generation that ran ended (the engine's word); the routes add "tool_calls" and "error".
 FinishReason = Literal["stop", "length", "cancelled"]
 
 SOURCES: tuple[str, ...] = get_args(Source)
-_OWN_TIER = {"store": "store", "disk": "disk", "response": "response"}
+_OWN_TIER = {"store": "store", "disk": "disk", "spill": "spill", "response": "response"}
 
 
 def tier_of(source: Source) -> Tier | None:

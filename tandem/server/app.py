@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -21,7 +22,8 @@ from tandem.actors import Actor, ActorStopped, Supervisor
 from tandem.actors.disk_messages import ClearDisk, DrainDisk, GetDiskStats
 from tandem.actors.disk_writer import DiskWriterActor
 from tandem.actors.engine_actor import EngineActor
-from tandem.actors.engine_messages import ClearCaches, Drain, EngineDrained
+from tandem.actors.engine_messages import (ClearCaches, Drain, EngineDrained, ReadSpill,
+                                           SpillSlots)
 from tandem.actors.governor import GetMemoryReport, GovernorActor
 from tandem.actors.spill_messages import ClearSpill, DrainSpill, GetSpillStats
 from tandem.actors.spill_writer import SpillWriterActor
@@ -40,6 +42,7 @@ from tandem.cache.store import StateStore, StoreCore
 from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
+from tandem.io.spill import make_session_spill
 from tandem.io.tier import make_disk_tier
 from tandem.server.disk_routes import (add_disk_routes, journal_disk_events,
                                        journal_disk_events_every)
@@ -144,9 +147,12 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
             draft_max=spec.draft_max, suffix=suffix, executor=engine_executor,
             make_disk_tier=(partial(make_disk_tier, config,
                                     model_dir=getattr(loaded, "path", None))
-                            if caches and config.disk.disk_cache != "off" else None))
+                            if caches and config.disk.disk_cache != "off" else None),
+            make_spill=(partial(_make_spill, config) if caches and spill_enabled(config) else None),
+            spill_min_tokens=config.spill.session_spill_min_tokens,
+            spill_park_min_tokens=config.spill.session_spill_park_min_tokens)
         if caches and config.disk.disk_cache != "off":
-            spill_on = config.spill.session_spill == "on"
+            spill_on = spill_enabled(config)
             # The tier is built on the engine thread from the engine's manifest; the writer
             # takes it once the engine has started (it is added after it).
             disk_writer = DiskWriterActor(
@@ -333,6 +339,13 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
     """Start the actors with the app; on shutdown drain the engine, then stop them."""
     state = app[STATE]
     await state.supervisor.start()
+    if getattr(state.engine, "spill", None) is not None:
+        # The conversations the last process wrote at its stop are back in their slots
+        # before the first request (the engine's mailbox holds every request behind it).
+        try:
+            await state.engine.ask(ReadSpill(), DRAIN_TIMEOUT_S, sender="server")
+        except (ActorStopped, TimeoutError) as exc:
+            log.warning("spill_read_unfinished", error=type(exc).__name__)
     writer = app[DISK_WRITER]
     if writer is not None:
         # The tier's events reach the journal from the loop (they happen on other threads).
@@ -341,9 +354,15 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await drain(state.engine, DRAIN_TIMEOUT_S)
+        drained = await drain(state.engine, DRAIN_TIMEOUT_S)
         spill_writer = app[SPILL_WRITER]
         if spill_writer is not None:
+            if drained:
+                # A planned stop: every slot's conversation to the NVMe, for the next start.
+                try:
+                    await state.engine.ask(SpillSlots(), DRAIN_TIMEOUT_S, sender="server")
+                except (ActorStopped, TimeoutError) as exc:
+                    log.warning("spill_slots_unsaved", error=type(exc).__name__)
             # The drain's saves (the live conversations) are on the disk before the actors
             # stop; the disk tier's last files wait for them anyway.
             try:
@@ -360,6 +379,16 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
             journal_disk_events(writer.tier, state.journal)
         await state.supervisor.stop()
         state.journal.close()
+
+
+def spill_enabled(config: Any) -> bool:
+    """The session spill runs beside the disk tier (its folder, identity and write guard)."""
+    return config.disk.disk_cache != "off" and config.spill.session_spill != "off"
+
+
+def _make_spill(config: Any, engine: Any, tier: Any) -> Any:
+    """On the engine thread, after the disk tier: the spill with the tier's identity."""
+    return make_session_spill(config, tier.identity, engine.prefix_chunk, guard=tier.guard)
 
 
 async def drain(engine: Actor, timeout_s: float) -> bool:

@@ -10,15 +10,16 @@ def test_every_resident_source_is_the_resident_tier():
         assert tier_of(source) == "resident"
 
 
-def test_the_store_the_disk_and_the_response_cache_are_their_own_tiers_and_cold_is_none():
+def test_the_store_the_disk_the_spill_and_the_response_cache_are_their_own_tiers():
     assert tier_of("store") == "store"
     assert tier_of("disk") == "disk"
+    assert tier_of("spill") == "spill"
     assert tier_of("response") == "response"
     assert tier_of("cold") is None
     assert set(SOURCES) == {"cold", "engine", "resident", "prompt_end", "end", "pin", "park",
-                            "store", "disk", "response"}
+                            "store", "disk", "spill", "response"}
 
 
 def test_an_unknown_source_is_refused_rather_than_called_resident():
     with pytest.raises(ValueError):
-        tier_of("spill")  # a tier added later must name its source here first
+        tier_of("nvme")  # a tier added later must name its source here first

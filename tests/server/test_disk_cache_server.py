@@ -7,7 +7,7 @@ empties it, and a file that does not verify is deleted and recomputed, never ser
 
 import msgspec
 
-from tandem.config import CacheConfig, DiskConfig, SpeculationConfig
+from tandem.config import CacheConfig, DiskConfig, SpeculationConfig, SpillConfig
 from tandem.server.app import build_app
 from tandem.server.keys import CACHE_STATS
 
@@ -26,7 +26,9 @@ def _config(make_config, **disk):
     config = make_config(window=4096)
     return msgspec.structs.replace(
         config, speculation=SpeculationConfig(speculation="off"),
-        disk=DiskConfig(disk_cache_min_free_gb=0, disk_cache_min_tokens=128, **disk))
+        disk=DiskConfig(disk_cache_min_free_gb=0, disk_cache_min_tokens=128, **disk),
+        # The disk tier alone: the spill would bring a restarted server's conversation back.
+        spill=SpillConfig(session_spill="off"))
 
 
 async def _complete(server, sdk, prompt: str):

@@ -13,7 +13,7 @@ import aiohttp
 import msgspec
 
 from tandem.actors.disk_messages import DrainDisk
-from tandem.config import CacheConfig, DiskConfig, SpeculationConfig
+from tandem.config import CacheConfig, DiskConfig, SpeculationConfig, SpillConfig
 from tandem.server.app import build_app
 from tandem.server.keys import CACHE_STATS, DISK_WRITER, ENGINE, JOURNAL
 
@@ -29,7 +29,9 @@ def _config(make_config, *, admin_token: str | None = None, cache: CacheConfig |
     return msgspec.structs.replace(
         config, speculation=SpeculationConfig(speculation="off"),
         cache=cache or config.cache,
-        disk=DiskConfig(**{"disk_cache_min_free_gb": 0, "disk_cache_min_tokens": 128, **disk}))
+        disk=DiskConfig(**{"disk_cache_min_free_gb": 0, "disk_cache_min_tokens": 128, **disk}),
+        # The disk tier alone: the spill would bring a restarted server's conversation back.
+        spill=SpillConfig(session_spill="off"))
 
 
 def _source(resp) -> str:

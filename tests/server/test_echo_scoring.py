@@ -10,6 +10,7 @@ next request resumed over them answers as a cold server does (bit-exact at a gri
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from test_logprobs import P, Q, post, quiet, stream
 
@@ -133,8 +134,10 @@ async def test_after_a_scoring_the_next_requests_answer_as_a_cold_servers(small_
     assert extended["usage"]["tandem"]["cache"]["cached"] == 128
     assert off_extended["usage"]["tandem"]["cache"]["cached"] == len(off)
     colds = []
-    for prompt in (head, head + Q, off + [7000, 7001]):
-        async with serve(build_app(config, small_loaded)) as server:
+    for i, prompt in enumerate((head, head + Q, off + [7000, 7001])):
+        # Each in a fresh home: the spill would bring the last server's conversation back.
+        fresh = msgspec.structs.replace(config, home=f"{config.home}-cold{i}")
+        async with serve(build_app(fresh, small_loaded)) as server:
             colds.append(await answer(server, prompt))
     assert all(c["usage"]["tandem"]["cache"]["source"] == "cold" for c in colds)
     assert again["choices"][0]["logprobs"] == colds[0]["choices"][0]["logprobs"]  # floats, ==

@@ -255,7 +255,9 @@ async def test_a_grid_resumes_logprobs_equal_a_cold_servers_exactly(small_loaded
         warm = await completion(server, P + Q)
     cache = warm["usage"]["tandem"]["cache"]
     assert cache["source"] == "resident" and cache["cached"] == 128  # the anchor at line 128
-    async with serve(build_app(config, small_loaded)) as server:
+    # A fresh home: the spill would bring the first server's conversation back.
+    fresh = msgspec.structs.replace(config, home=config.home + "-cold")
+    async with serve(build_app(fresh, small_loaded)) as server:
         cold = await completion(server, P + Q)
     assert cold["usage"]["tandem"]["cache"]["source"] == "cold"
     assert warm["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]  # floats, ==
@@ -272,7 +274,8 @@ async def test_echo_scores_the_prompt_cold_whatever_the_caches_hold(small_loaded
         warm = await completion(server, P + Q, echo=True)
         again = await completion(server, P + Q, echo=True)
         after = await completion(server, P + Q + [7000])  # the anchors it took still serve
-    async with serve(build_app(config, small_loaded)) as server:
+    fresh = msgspec.structs.replace(config, home=config.home + "-cold")
+    async with serve(build_app(fresh, small_loaded)) as server:
         cold = await completion(server, P + Q, echo=True)
     assert warm["usage"]["tandem"]["cache"]["source"] == "cold"
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

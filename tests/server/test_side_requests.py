@@ -13,6 +13,7 @@ cold either way, on the same grid), and so is the second turn's against the undi
 
 import json
 
+import msgspec
 import pytest
 from multidict import CIMultiDict
 
@@ -92,11 +93,14 @@ async def test_side_requests_longer_than_the_chat_leave_its_next_turn_at_its_end
         first, side, second = await _open_webui(sdk(server), tasks=True, chat_id=chat_id)
         stats = await server.app[CACHE_STATS]()
     journal = [json.loads(line) for line in config.journal_path().read_text().splitlines()]
-    async with serve(build_app(config, small_loaded)) as server:
+    # Each reference in a home of its own: the spill would bring this one's chat back.
+    alone_config = msgspec.structs.replace(config, home=config.home + "-alone")
+    async with serve(build_app(alone_config, small_loaded)) as server:
         _, _, alone = await _open_webui(sdk(server), tasks=False, chat_id=chat_id)
         stats_alone = await server.app[CACHE_STATS]()
     unmarked = make_config(allow_forced_output=True, window=2048, parallel=parallel,
                            side_requests=False)
+    unmarked = msgspec.structs.replace(unmarked, home=config.home + "-unmarked")
     async with serve(build_app(unmarked, small_loaded)) as server:
         _, side_unmarked, _ = await _open_webui(sdk(server), tasks=True, chat_id=chat_id)
 

@@ -26,14 +26,12 @@ from tandem.cache.copies import SectionsCopy
 from tandem.cache.namespace import namespace_of
 from tandem.config import DiskConfig, SpeculationConfig, SpillConfig
 from tandem.engine import Engine
-from tandem.io.fingerprint import Identity
-from tandem.io.spill import EntryMeta, SessionSpill, SpillEnd, session_digest
+from tandem.io.spill import EntryMeta, SpillEnd, session_digest
 from tandem.server.app import build_app
 from tandem.server.keys import CACHE_STATS, ENGINE, JOURNAL, SPILL_WRITER
 
 ADMIN = {"Authorization": "Bearer s3cret"}
 GRID = 64
-FP = "0f" * 32
 GiB = 1 << 30
 
 needs_chromium = pytest.mark.skipif(CHROMIUM is None,
@@ -46,15 +44,6 @@ def _config(make_config, *, session_spill: str = "on", disk_cache: str = "on"):
         config, speculation=SpeculationConfig(speculation="off"),
         disk=DiskConfig(disk_cache=disk_cache, disk_cache_min_free_gb=0),
         spill=SpillConfig(session_spill=session_spill))
-
-
-def _with_spill(app, config) -> SessionSpill:
-    """The spill the engine's build will make (make_session_spill), handed over before the
-    start: the writer resolves ``engine.spill`` when it starts."""
-    spill = SessionSpill(config.disk_cache_path() / "sessions", Identity(FP), GRID)
-    spill.open()
-    app[ENGINE].spill = spill
-    return spill
 
 
 def _conversation(model, n: int = 150) -> SpillSave:
@@ -98,10 +87,10 @@ async def test_a_save_through_the_servers_spill_writer_shows_on_every_surface_an
         small_loaded, make_config, serve):
     config = _config(make_config)
     app = build_app(config, small_loaded)
-    spill = _with_spill(app, config)
     save = _conversation(small_loaded.model)
     writer = app[SPILL_WRITER]
     async with serve(app) as server:
+        spill = app[ENGINE].spill  # built on the engine thread, beside the disk tier
         status, actors = await _call(server, "GET", "/v1/actors")
         assert status == 200
         names = [a["name"] for a in actors["actors"]]
@@ -146,7 +135,6 @@ async def test_a_save_through_the_servers_spill_writer_shows_on_every_surface_an
     # the shutdown drained it after the engine
     assert writer.statistics().handled_by_type.get("DrainSpill") == 1
     assert writer.senders.get("server", 0) >= 1
-    spill.close()
 
 
 async def test_a_server_without_a_spill_answers_a_clear_of_it_409_and_shows_none(
@@ -164,6 +152,7 @@ async def test_a_server_without_a_spill_answers_a_clear_of_it_409_and_shows_none
     assert build_app(_config(make_config, disk_cache="off"), small_loaded)[SPILL_WRITER] is None
     # on, but the engine built none: the writer answers off, the surfaces show none
     app = build_app(_config(make_config), small_loaded)
+    app[ENGINE]._make_spill = None
     async with serve(app) as server:
         assert not app[SPILL_WRITER].on
         status, body = await _call(server, "POST", "/v1/cache/clear?tier=spill", ADMIN)
