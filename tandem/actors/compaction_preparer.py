@@ -147,6 +147,7 @@ class CompactionPreparer(Actor):
             "started": 0, "yielded": 0, "yielded_by": dict.fromkeys(YIELD_REASONS, 0),
             "finished": 0, "failed": 0, "lock_busy": 0, "gpu_busy": 0, "tokens_written": 0}
         self.yield_ms: list[float] = []  # told-to-stop to stopped, the last few
+        self.last_finished: dict[str, Any] | None = None  # where the last one ran, and from
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -352,6 +353,9 @@ class CompactionPreparer(Actor):
                                          job.instructions))
         self.counters["finished"] += 1
         self.counters["tokens_written"] += len(tokens)
+        self.last_finished = {"slot": msg.slot, "source": msg.cache_source, "guest": msg.guest,
+                              "reused_tokens": msg.reused_tokens,
+                              "reread_tokens": msg.reread_tokens, "tokens": len(tokens)}
         log.info("preparation_finished", request_id=job.request_id, tokens=len(tokens),
                  finish_reason=msg.finish_reason, decode_ms=round(msg.decode_ms, 1),
                  prefill_ms=round(msg.prefill_ms, 1), source=msg.cache_source)
@@ -372,6 +376,7 @@ class CompactionPreparer(Actor):
                                                  "slot": job.slot,
                                                  "end_tokens": job.end_tokens,
                                                  "tokens": len(job.tokens)},
+            "last_finished": self.last_finished,
             "yield_ms_last": self.yield_ms[-1] if self.yield_ms else None,
             "yield_ms_max": max(self.yield_ms) if self.yield_ms else None,
             "idle_s": self.idle_s, "min_tokens": self.min_tokens,
