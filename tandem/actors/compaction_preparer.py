@@ -86,8 +86,9 @@ class _Preparation:
 
 async def other_gpu_programs() -> bool:
     """Whether a process other than this one has a compute context on a GPU (nvidia-smi);
-    False when nvidia-smi is missing or fails. In a container the tool may list host pids or
-    none: then another program in the container is not seen."""
+    False when nvidia-smi is missing or fails. In a container the tool may list host pids, so
+    that this process is not found by its pid: then one entry is taken to be this process
+    (which holds a context) and only a second one counts."""
     try:
         proc = await asyncio.create_subprocess_exec(
             "nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader",
@@ -102,8 +103,14 @@ async def other_gpu_programs() -> bool:
         return True  # a driver that hangs: not a box to write on now
     if proc.returncode != 0:
         return False
-    me = str(os.getpid())
-    return any(line.strip() and line.strip() != me for line in out.decode().splitlines())
+    return gpu_others(out.decode(), os.getpid())
+
+
+def gpu_others(listing: str, pid: int) -> bool:
+    """``other_gpu_programs``' verdict on nvidia-smi's pid listing."""
+    pids = [line.strip() for line in listing.splitlines() if line.strip()]
+    others = [p for p in pids if p != str(pid)]
+    return len(others) > (0 if str(pid) in pids else 1)
 
 
 class CompactionPreparer(Actor):

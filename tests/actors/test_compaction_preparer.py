@@ -169,7 +169,8 @@ def _same(a: dict, b: dict) -> None:
         assert all(torch.equal(a["end"][1][k], b["end"][1][k]) for k in a["end"][1])
 
 
-async def test_a_finished_preparation_leaves_the_conversation_as_it_was_and_writes_the_tokens_a_continuation_request_gets(tmp_path):  # noqa: E501
+async def test_a_finished_preparation_leaves_the_conversation_and_writes_a_continuations_tokens(
+        tmp_path):
     s = _System(tmp_path)
     s.prepared.note_session(SESSION, CLIENT)
     async with s.harness:
@@ -199,7 +200,8 @@ async def test_a_finished_preparation_leaves_the_conversation_as_it_was_and_writ
             (1, 1, 0, 1)
 
 
-async def test_a_waiting_request_stops_the_preparation_within_one_chunk_and_the_conversation_is_as_it_was(tmp_path):  # noqa: E501
+async def test_a_waiting_request_stops_the_preparation_within_one_chunk_leaving_the_conversation(
+        tmp_path):
     model = _Gated()
     s = _System(tmp_path, model=model)
     s.prepared.note_session(SESSION, CLIENT)
@@ -286,7 +288,8 @@ async def test_a_drain_stops_the_preparation(tmp_path):
         assert (await s.stats())["yielded_by"]["drain"] == 1
 
 
-async def test_it_starts_only_when_idle_unlocked_long_enough_an_agents_and_once_an_end(tmp_path):  # noqa: E501
+async def test_it_starts_only_idle_unlocked_for_a_long_agent_conversation_and_once_an_end(
+        tmp_path):
     s = _System(tmp_path)
     async with s.harness:
         await s.conversation()
@@ -331,7 +334,8 @@ async def test_an_idle_generate_is_refused_while_a_request_is_known(tmp_path):
         await s.client.expect(GenerationFinished, 20)
 
 
-async def test_a_prepared_answer_is_looked_up_only_for_its_session_end_rows_system_text_and_template(tmp_path):  # noqa: E501
+async def test_a_prepared_answer_is_found_only_for_its_session_end_rows_system_text_and_template(
+        tmp_path):
     s = _System(tmp_path)
     s.prepared.note_session(SESSION, CLIENT)
     s.prepared.remember_instructions(CLIENT, "their system text", "their instructions")
@@ -376,3 +380,12 @@ async def test_the_preparation_runs_in_the_conversations_own_slot_as_a_guest(tmp
     assert (last["slot"], last["source"], last["guest"]) == (slot, "end", True)
     assert last["reused_tokens"] == before["end"][0]
     assert last["reread_tokens"] == len(_turn(DEFAULT_SYSTEM_TEXT, DEFAULT_INSTRUCTIONS))
+
+
+def test_another_program_on_the_gpu_is_a_second_pid_or_one_that_is_not_ours():
+    from tandem.actors.compaction_preparer import gpu_others
+    assert not gpu_others("", 10)
+    assert not gpu_others("10\n", 10)
+    assert gpu_others("10\n11\n", 10)
+    assert not gpu_others("99\n", 10)  # another pid namespace: the one entry is this process
+    assert gpu_others("99\n98\n", 10)
