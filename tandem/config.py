@@ -284,6 +284,27 @@ class SpillConfig(_Section):
         "many tokens, so that the park may give it up."))] = 4096
 
 
+class PreparerConfig(_Section):
+    """The compaction preparer: a compaction summary written ahead while the box is idle."""
+
+    compaction_prepare: Annotated[Literal["off", "on"], Meta(description=(
+        "Write an agent session's compaction summary ahead: when the engine has been idle "
+        "compaction_idle_s, no hold is on the box lock and a resident conversation of a "
+        "session that sent tools has compaction_min_tokens, its summary is written as a "
+        "continuation in scratch rows (a guest over the end anchor, nothing kept), yielding "
+        "to any request, a drain, a process waiting for the box lock and, on CUDA, another "
+        "program on the GPU; off: nothing is written ahead."))] = "on"
+    compaction_idle_s: Annotated[float, Meta(ge=0, description=(
+        "Seconds with no request before the preparer writes a summary."))] = 30.0
+    compaction_min_tokens: Annotated[int, Meta(ge=0, description=(
+        "Shortest conversation, in tokens up to its end anchor, whose summary is written "
+        "ahead."))] = 32768
+    box_lock: Annotated[str, Meta(description=(
+        "The box lock: a file another program locks (flock -w) to borrow the machine; the "
+        "preparer writes nothing while someone holds it and stops when someone waits for it. "
+        "Relative to home unless absolute; empty: no box lock."))] = "box.lock"
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole config. Sections are tables in the TOML; knob names are unique across them."""
 
@@ -299,6 +320,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
     spill: SpillConfig = msgspec.field(default_factory=SpillConfig)
+    preparer: PreparerConfig = msgspec.field(default_factory=PreparerConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a
@@ -319,6 +341,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def disk_cache_path(self) -> Path:
         path = Path(self.disk.disk_cache_dir).expanduser()
+        return path if path.is_absolute() else self.home_path() / path
+
+    def box_lock_path(self) -> Path | None:
+        """The box lock's file, or None when there is none."""
+        if not self.preparer.box_lock:
+            return None
+        path = Path(self.preparer.box_lock).expanduser()
         return path if path.is_absolute() else self.home_path() / path
 
     def record_path(self) -> Path | None:

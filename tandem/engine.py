@@ -299,6 +299,23 @@ def run_steps(steps: Generator[Step, torch.Tensor | None, "GenerationResult"]):
         return done.value
 
 
+def _stoppable(steps: Generator[Step, Any, torch.Tensor], stop: Callable[[], bool]
+               ) -> Generator[Step, Any, torch.Tensor | None]:
+    """A prefill's steps that end after a chunk when ``stop()`` says so (None: stopped). It is
+    polled when the scheduler comes back to the prefill, so a stop costs at most the chunk
+    that was running."""
+    try:
+        step = next(steps)
+        while True:
+            value = yield step
+            if step is CHUNK and stop():
+                steps.close()
+                return None
+            step = steps.send(value)
+    except StopIteration as done:
+        return done.value
+
+
 def decode_batch(steps: Sequence[DecodeStep]) -> list[torch.Tensor]:
     """Forward the decode steps of several sequences over one model as one batched step
     (``Model.forward_batch``: the weights read once; a sequence's logits are the bits it gets
@@ -544,7 +561,8 @@ class Engine:
                        on_logprobs: Callable[[TokenLogprob], None] | None = None,
                        on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
                        on_prefill: Callable[[torch.Tensor], None] | None = None,
-                       logits: torch.Tensor | None = None
+                       logits: torch.Tensor | None = None,
+                       stop_prefill: Callable[[], bool] | None = None
                        ) -> Generator["Step", torch.Tensor | None, GenerationResult]:
         """Prefill the prompt (resuming over the rows in place it shares), then decode. A
         generator of `Step`s: `CHUNK` between prefill chunks, and a `DecodeStep` for each
@@ -580,6 +598,10 @@ class Engine:
         state). ``logits``: the prompt's last position's logits when the rows in place already
         are the whole prompt (a cache restored its state there): nothing is forwarded and the
         first token is sampled from them (read, never written).
+
+        ``stop_prefill()`` is polled between two prefill chunks (idle work that yields): True
+        ends the generation there, "cancelled" with no token, the rows in place ending at the
+        last chunk forwarded (its caller puts back whatever it stashed).
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
@@ -604,7 +626,15 @@ class Engine:
         self.resume_at(reuse)
         t0 = time.perf_counter()
         if logits is None:
-            logits = yield from self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer)
+            prefill = self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer)
+            if stop_prefill is not None:
+                prefill = _stoppable(prefill, stop_prefill)
+            logits = yield from prefill
+            if logits is None:  # stopped between two chunks
+                return GenerationResult(token_ids=[], finish_reason="cancelled",
+                                        prompt_tokens=len(prompt_ids), reused_tokens=reuse,
+                                        prefill_ms=(time.perf_counter() - t0) * 1000,
+                                        decode_ms=0.0, stop_token=None)
             if scorer is not None and on_prompt_logprobs is not None:
                 on_prompt_logprobs(scorer.entries)
             if on_prefill is not None:

@@ -60,6 +60,7 @@ from tandem.actors.engine_messages import (
     GenerationParams,
     GenerationRejected,
     GenerationStarted,
+    ListConversations,
     PrefillAdmitted,
     PromptLogprobs,
     ReleaseCaptureLock,
@@ -70,6 +71,7 @@ from tandem.actors.engine_messages import (
 )
 from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
 from tandem.actors.disk_messages import DiskJob, Fence
+from tandem.actors.engine_idle import EngineIdle
 from tandem.actors.engine_spill import EngineSpill
 from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
@@ -189,7 +191,8 @@ class _Job:
         self.reply_to = msg.reply_to
         self.session = msg.session
         self.marks = msg.marks
-        self.side = msg.side
+        self.side = msg.side or msg.idle
+        self.idle = msg.idle  # idle work: any request cancels it (tandem/actors/engine_idle.py)
         self.namespace = Namespace(msg.namespace)
         self.max_reasoning_tokens = p.max_reasoning_tokens
         self.forced_ids = p.forced_ids
@@ -262,7 +265,7 @@ class _Outside:
         self.grant_id = grant_id
 
 
-class EngineActor(EngineSpill, Actor):
+class EngineActor(EngineSpill, EngineIdle, Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
                  make_store: Callable[[Engine], StateStore] | None = None,
@@ -355,6 +358,7 @@ class EngineActor(EngineSpill, Actor):
         self.disk_tier: Any = None  # tandem.io.tier.DiskTier, built on the engine thread
         self.disk_writer = disk_writer
         self._init_spill(make_spill, spill_writer, spill_min_tokens, spill_park_min_tokens)
+        self._init_idle()
         self._last_slot = 0  # the slot the last plan placed in
         # The jobs running (admitted, in a slot), and the one whose plan is made or whose
         # prefill runs: prefills run one at a time, each's plan made when the one before it
@@ -707,6 +711,8 @@ class EngineActor(EngineSpill, Actor):
                 return await self._spill_slots()
             case ReadSpill():
                 return await self._read_spill()
+            case ListConversations():
+                return await self._list_conversations()
             case RequestCaptureLock(holder=holder, reply_to=reply_to):
                 self._lock.enqueue(_Outside(holder, reply_to, next(self._grant_ids)))
                 self._pump()
@@ -771,10 +777,13 @@ class EngineActor(EngineSpill, Actor):
             return GenerationRejected(msg.request_id, "draining", self.retry_after_estimate())
         if msg.request_id in self._jobs:
             return GenerationRejected(msg.request_id, "duplicate", 0.0)
+        if (refused := self._refuse_idle(msg)) is not None:
+            return refused
         ahead = self.waiting
         if ahead >= self.queue_limit:
             return GenerationRejected(msg.request_id, "queue_full", self.retry_after_estimate())
         job = _Job(msg, self.clock.monotonic())
+        self._request_came(msg)
         self._jobs[job.request_id] = job
         self._lock.enqueue(job)
         self._pump()
@@ -793,6 +802,7 @@ class EngineActor(EngineSpill, Actor):
     def _drain(self, reply_to: Any) -> DrainStarted:
         first = not self._draining
         self._draining = True
+        self._yield_idle()
         dropped = 0
         for item in self._lock.waiting():
             if isinstance(item, _Job):
@@ -1184,7 +1194,8 @@ class EngineActor(EngineSpill, Actor):
                 job.request_id, list(job.prompt_ids), self._slot_rows[from_slot],
                 job.namespace, slot_rows=self._slot_rows if self.parallel > 1 else [],
                 session=job.session, park_slot=self._park_slot, park_point=p.park_point,
-                park_session=p.park_session, side=job.side), TIER_ASK_S, sender=self)
+                park_session=p.park_session, side=job.side, own_slot=job.idle),
+                TIER_ASK_S, sender=self)
             lent["resident"] = r.holdings
             job.slot, job.placed = r.slot, r.placed
             self._last_slot = r.slot
@@ -1634,12 +1645,15 @@ class EngineActor(EngineSpill, Actor):
             self._abort(planner, ends)
             raise
         self._post(job, PrefillAdmitted(job.request_id))
+        # Idle work yields between two prefill chunks too.
+        stopping = {"stop_prefill": job.cancel.is_set} if job.idle else {}
         try:
             result = yield from _engine_steps(engine, served, params, on_token=on_token,
                                               should_cancel=job.cancel.is_set,
                                               on_chunk=on_chunk, force=force,
                                               on_prefill=planner.on_prefill,
-                                              logits=resume.logits, **speculate, **scoring)
+                                              logits=resume.logits, **speculate, **scoring,
+                                              **stopping)
             committed = served + result.token_ids
             if plan is not None:
                 yield END  # the end reserves and sheds: it waits while the loop makes a plan
@@ -1852,8 +1866,10 @@ class EngineActor(EngineSpill, Actor):
         """The client's prompt and the visible output go to the suffix store; hidden tokens
         (the budget's phrase) and rows the alignment put back never do (spec)."""
         suffix = self.suffix
-        if suffix is None or suffix.store is None or job.namespace != SHARED:
-            return  # a salted request's text is never drafted for anyone else
+        if suffix is None or suffix.store is None or job.namespace != SHARED or job.idle:
+            # A salted request's text is never drafted for anyone else; idle work's prompt
+            # is a conversation the store has already, and it may run many times.
+            return
         out = outcome.result.token_ids
         if outcome.budget is not None:
             out = outcome.budget.visible(out)

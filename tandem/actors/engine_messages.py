@@ -80,6 +80,10 @@ class Generate(Message):
     # A chat client's side request (tandem/server/side.py: a title, tags, follow-ups): it
     # runs keeping nothing, never in the place of a conversation (tandem/cache/slots.py).
     side: bool = False
+    # Idle work (tandem/actors/compaction_preparer.py): a side request placed in its
+    # session's slot, over a stash; any other Generate or a drain cancels it at once, and its
+    # cancel stops its prefill at the next chunk (tandem/actors/engine_idle.py).
+    idle: bool = False
 
 
 class ClearCaches(Message):
@@ -118,6 +122,27 @@ class ReadSpill(Message):
 class SpillRead(Message):
     read: int = 0  # entries read back into slots
     failed: int = 0  # entries that failed their checks (deleted)
+
+
+class ListConversations(Message):
+    """Sender: the compaction preparer, while the engine is idle. Receiver: the engine, which,
+    when no generation runs or waits, answers `ConversationsListed`: each slot's conversation
+    that has an end anchor (``busy`` otherwise: none listed)."""
+
+
+class ConversationInPlace(msgspec.Struct, frozen=True):
+    """One slot's conversation: its session key (hashed) and namespace, and the tokens of its
+    rows up to the end anchor of its last generation."""
+
+    slot: int
+    session: str | None
+    namespace: str
+    end_ids: list[int]
+
+
+class ConversationsListed(Message):
+    busy: bool = False
+    conversations: list[ConversationInPlace] = []
 
 
 class GenerationAccepted(Message):

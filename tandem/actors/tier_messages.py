@@ -42,6 +42,7 @@ class OfferTiers(Message):
     park_point: int = 0
     park_session: str | None = None
     side: bool = False  # a side request (tandem/server/side.py): placed and kept as slots.py says
+    own_slot: bool = False  # a side request placed in its session's slot (idle work)
 
 
 class ResidentOffered(Message):

@@ -150,7 +150,7 @@ class ResidentActor(_Lender):
         placed = place(msg.prompt_ids, msg.session, namespace, facts,
                        self.slots[0].anchors.chunk, park_slot=msg.park_slot,
                        park_point=msg.park_point, park_session=msg.park_session,
-                       side=msg.side)
+                       side=msg.side, own_slot=msg.own_slot)
         self.holdings = self.slots[placed.slot]
         self.lent[placed.slot] = msg.request_id
         self.lent_to = msg.request_id

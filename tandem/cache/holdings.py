@@ -178,7 +178,9 @@ def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Nam
     """Where the resident's own copies resume ``prompt`` over the rows in place ``rows``.
     ``side``: a side request (tandem/server/side.py) is a guest whatever its length, and
     keeps nothing: not even a repeat's prompt-end anchor serves it, since that move would
-    drop the end anchor above it."""
+    drop the end anchor above it. One that goes on from the rows in place at their end
+    anchor (the compaction preparer's continuation) resumes there as a guest: the live state
+    is the end's, and the stash puts the end's sections back after it."""
     prompt = list(prompt)
     length = len(rows)
     limit = len(prompt) - 1  # at least one token is forwarded: the logits come from it
@@ -187,6 +189,8 @@ def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Nam
     c = common_prefix(prompt, list(rows)) if namespace == held.namespace else 0
     continuing = c >= length and length <= limit
     if side:
+        if continuing and length and held.ends.at(length) and not held.stash.active:
+            return ResidentOffer(Resume(length, "end", guest=True), c, continuing, True)
         start = held.anchors.best(min(c, limit))
         return ResidentOffer(Resume(start, "resident" if start else "cold", guest=True), c,
                              continuing, True)

@@ -315,6 +315,10 @@ class ResidentPrefix:
         ``taint``): pure, so that the loop decides it over lent tiers (the plan's) and the
         engine thread only carries it out."""
         length = len(rows)
+        if offer.guest and offer.source == "end":
+            # At the end in place (a side request going on from it): nothing to restore or
+            # stash but the sections, which the end anchor holds.
+            return Moves("guest", offer.start, stash_stop=offer.start, stash_sections=False)
         if offer.guest:
             start = self.anchor_tier.best(min(c, len(prompt) - 1))
             return Moves("guest", start, restore=f"anchor:{start}" if start else None,
@@ -512,10 +516,12 @@ class ResidentPrefix:
         state = eng.cache_state()
         start, stop = moves.start, moves.stash_stop
         live_in_end = not moves.stash_sections
+        at_end = start > 0 and moves.restore is None  # the live state is the end's
         nbytes = RowsCopy.nbytes_of(state, max(stop - start, 0))
         if not live_in_end:
             nbytes += SectionsCopy.nbytes_of(state)
-        resume = Resume(start, "resident" if start else "cold", guest=True)
+        resume = Resume(start, "end" if at_end else "resident" if start else "cold",
+                        guest=True)
         if stop > start and not self.memory.reserve("stash", nbytes):
             # No room: the guest writes over the resident rows, which are cut at its start.
             self.stash_tier.refused += 1
@@ -529,7 +535,7 @@ class ResidentPrefix:
             sections=None if live_in_end else SectionsCopy.take(state),
             token_ids=list(eng.token_ids), taint=eng.taint,
             nbytes=nbytes if stop > start else 0))
-        if start:
+        if start and not at_end:
             self.anchors[start].restore(state)
         eng.resume_at(start)
         self.stash_tier.begin(start, namespace)

@@ -32,6 +32,10 @@ or store snapshot) wherever it runs:
 - else its session's slot (the only one idle), as a guest over the stash.
 
 A side request does not make its slot more recently used (the resident actor's clock).
+
+Idle work (the compaction preparer's continuation, ``own_slot``) is a side request that goes
+on from its own conversation: it is placed in its session's slot, as a guest over that slot's
+stash, and takes the side rule only when no slot holds its session.
 """
 
 from __future__ import annotations
@@ -67,19 +71,22 @@ class Placement:
 def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
           slots: Sequence[SlotFacts], chunk: int, *, park_slot: int | None = None,
           park_point: int = 0, park_session: str | None = None,
-          side: bool = False) -> Placement:
+          side: bool = False, own_slot: bool = False) -> Placement:
     """The slot a request goes to, and the resident's offer there (module docstring).
 
     ``park_slot``: the slot the parked conversation was parked from, ``park_point`` where the
     park's offer resumes the prompt over that slot's rows (0: it does not), ``park_session``
-    the parked conversation's session key; ``side``: a side request."""
+    the parked conversation's session key; ``side``: a side request; ``own_slot``: one
+    placed in its session's slot (idle work)."""
     prompt = list(prompt)
     offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows, side=side)
               for s in slots}
     if len(slots) == 1:
         return Placement(slots[0].index, "only", offers[slots[0].index])
     if side:
-        best = _side_slot(slots, session, namespace)
+        own = [s for s in slots if own_slot and session is not None and s.rows
+               and s.holdings.session == session and s.holdings.namespace == namespace]
+        best = own[0] if own else _side_slot(slots, session, namespace)
         return Placement(best.index, "side", offers[best.index])
     indices = {s.index for s in slots}
     if session is not None:

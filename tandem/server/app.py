@@ -19,6 +19,8 @@ import structlog
 from aiohttp import web
 
 from tandem.actors import Actor, ActorStopped, Supervisor
+from tandem.actors.compaction_preparer import (CompactionPreparer, GetPreparerStats,
+                                               other_gpu_programs)
 from tandem.actors.disk_messages import ClearDisk, DrainDisk, GetDiskStats
 from tandem.actors.disk_writer import DiskWriterActor
 from tandem.actors.engine_actor import EngineActor
@@ -31,6 +33,7 @@ from tandem.actors.store import ClearStore, GetStoreStats, StoreActor
 from tandem.actors.suffix import SuffixActor
 from tandem.actors.tier_messages import GetTierStats
 from tandem.actors.tiers import ParkActor, ResidentActor
+from tandem.cache.prepared import PreparedAnswers
 from tandem.cache.governor import CpuAllocator, CudaAllocator, MemoryGovernor, MemoryLimits
 from tandem.cache.memory import (PARK_LEVELS, RESIDENT_LEVELS, Accounts, MemoryAccountant,
                                  Share)
@@ -46,6 +49,7 @@ from tandem.io.spill import make_session_spill
 from tandem.io.tier import make_disk_tier
 from tandem.server.disk_routes import (add_disk_routes, journal_disk_events,
                                        journal_disk_events_every)
+from tandem.server.boxlock import BoxLock
 from tandem.server.errors import ApiError, error_middleware
 from tandem.server.guard import admin_route, guard_middleware
 from tandem.server.journal import EventRow, Journal
@@ -57,6 +61,7 @@ from tandem.server.keys import (
     JOURNAL,
     MEMORY,
     MODEL_NAME,
+    PREPARED,
     SPILL_WRITER,
     SUFFIX,
     SUPERVISOR,
@@ -182,6 +187,9 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
         supervisor.add(spill_writer)  # after the engine, which builds the spill
     if governor is not None:
         supervisor.add(governor_actor)
+    preparer = _make_preparer(config, loaded, engine)
+    if preparer is not None:
+        supervisor.add(preparer)  # after the engine, whose requests it yields to
     journal = Journal(config.journal_path())
     metrics = Metrics()
     path = getattr(loaded, "path", None)
@@ -226,7 +234,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     app[MODEL_NAME] = loaded.name
     app[SUFFIX] = suffix
     app[CACHE_STATS] = partial(_cache_stats, engine, state, store, suffix, tuple(tiers or ()),
-                               disk_writer, spill_writer)
+                               disk_writer, spill_writer, preparer)
+    app[PREPARED] = preparer.prepared if preparer is not None else None
     app[DISK_WRITER] = disk_writer
     app[SPILL_WRITER] = spill_writer
     if disk_writer is not None:
@@ -302,7 +311,8 @@ async def _ask(actor: Actor, msg, what: str):
 async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | None,
                        suffix: SuffixActor | None, tiers: tuple[Actor, ...] = (),
                        disk_writer: Actor | None = None,
-                       spill_writer: Actor | None = None) -> dict:
+                       spill_writer: Actor | None = None,
+                       preparer: Actor | None = None) -> dict:
     # The resident's counters as the engine actor published them on the loop after the last
     # generation (never a tier's live state, which is the engine thread's).
     doc = getattr(engine, "cache_stats", {"tiers": {}})
@@ -320,6 +330,9 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["spill"] = (await _ask(spill_writer, GetSpillStats(), "session spill")).stats
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
+    if preparer is not None:
+        doc = {**doc, "compaction_preparer": (await _ask(preparer, GetPreparerStats(),
+                                                         "compaction preparer")).stats}
     if tiers:
         # Each tier actor's own account of what it holds, asked of it (as of the last
         # generation while its holdings are lent: ``lent_to`` names the request).
@@ -379,6 +392,40 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
             journal_disk_events(writer.tier, state.journal)
         await state.supervisor.stop()
         state.journal.close()
+
+
+def _make_preparer(config: Config, loaded: Any, engine: Actor) -> CompactionPreparer | None:
+    """The compaction preparer, with the caches and compaction_prepare on (over the real
+    engine actor only: it runs idle work as guests in the engine's slots)."""
+    p = config.preparer
+    if not (config.cache.caches and p.compaction_prepare == "on"
+            and isinstance(engine, EngineActor)):
+        return None
+    import torch
+
+    from tandem.models.chat import template_info
+
+    tokenizer = loaded.tokenizer
+    lock_path = config.box_lock_path()
+    return CompactionPreparer(
+        engine=engine, prepared=PreparedAnswers(),
+        continuation=partial(_continuation_ids, tokenizer),
+        template_sha=template_info(getattr(tokenizer, "chat_template", None)).sha256,
+        box_lock=BoxLock(lock_path) if lock_path is not None else None,
+        idle_s=p.compaction_idle_s, min_tokens=p.compaction_min_tokens,
+        gpu_busy=other_gpu_programs if torch.cuda.is_available() else None,
+        decode=tokenizer.decode)
+
+
+def _continuation_ids(tokenizer: Any, rows: list[int], system_text: str,
+                      instructions: str) -> list[int]:
+    """The continuation's prompt ids: the record's rows, then one user turn with the system
+    text and the instructions, thinking off (the Qwen chat format). A stand-in for the chat
+    route's builder (tandem/server/compaction.py), which the preparer takes once it is
+    joined."""
+    turn = ("<|im_end|>\n<|im_start|>user\n" + system_text + "\n\n" + instructions
+            + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    return list(rows) + tokenizer.encode(turn)
 
 
 def spill_enabled(config: Any) -> bool:

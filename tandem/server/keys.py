@@ -20,6 +20,9 @@
   tier is off.
 - SPILL_WRITER: the session spill's writer actor (asked for its stats, a clear and the drain;
   ``report()`` for /metrics), or None when the spill is off.
+- PREPARED: the compaction preparer's answers (tandem.cache.prepared.PreparedAnswers: the chat
+  route notes agent sessions and compaction instructions in it and looks answers up), or None
+  when no preparer runs.
 """
 
 from __future__ import annotations
@@ -38,3 +41,4 @@ MEMORY: web.AppKey[Callable[[], Any]] = web.AppKey("memory", object)
 SUFFIX: web.AppKey[Any] = web.AppKey("suffix", object)
 DISK_WRITER: web.AppKey[Any] = web.AppKey("disk_writer", object)
 SPILL_WRITER: web.AppKey[Any] = web.AppKey("spill_writer", object)
+PREPARED: web.AppKey[Any] = web.AppKey("prepared", object)

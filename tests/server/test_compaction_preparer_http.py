@@ -1,0 +1,59 @@
+"""The compaction preparer in the server: built with the caches and compaction_prepare on, shown
+in /v1/actors and as the compaction_preparer section of /v1/cache/stats; absent when off."""
+
+import aiohttp
+
+from tandem.cache.prepared import PreparedAnswers
+from tandem.config import Config, PreparerConfig
+from tandem.server.app import _continuation_ids, build_app
+from tandem.server.keys import PREPARED, SUPERVISOR
+
+COUNTERS = {"started", "yielded", "yielded_by", "finished", "served", "failed", "lock_busy"}
+
+
+async def _docs(app, serve):
+    async with serve(app) as server, aiohttp.ClientSession() as http:
+        base = f"http://127.0.0.1:{server.port}"
+        async with http.get(f"{base}/v1/cache/stats") as resp:
+            assert resp.status == 200
+            stats = await resp.json()
+        async with http.get(f"{base}/v1/actors") as resp:
+            actors = await resp.text()
+    return stats, actors
+
+
+async def test_the_preparer_runs_with_the_caches_and_reports_its_counters(
+        small_loaded, make_config, serve):
+    config = make_config()
+    app = build_app(config, small_loaded)
+    assert "compaction_preparer" in app[SUPERVISOR].actors
+    assert isinstance(app[PREPARED], PreparedAnswers)
+    preparer = app[SUPERVISOR].actors["compaction_preparer"]
+    assert preparer.box_lock.path == config.box_lock_path()
+    stats, actors = await _docs(app, serve)
+    section = stats["compaction_preparer"]
+    assert COUNTERS <= set(section)
+    assert (section["started"], section["finished"], section["served"]) == (0, 0, 0)
+    assert section["idle_s"] == 30.0 and section["min_tokens"] == 32768
+    assert '"compaction_preparer"' in actors
+
+
+async def test_compaction_prepare_off_builds_no_preparer(small_loaded, make_config, serve):
+    base = make_config()
+    config = Config(home=base.home, server=base.server, engine=base.engine,
+                    preparer=PreparerConfig(compaction_prepare="off"))
+    app = build_app(config, small_loaded)
+    assert "compaction_preparer" not in app[SUPERVISOR].actors and app[PREPARED] is None
+    stats, _ = await _docs(app, serve)
+    assert "compaction_preparer" not in stats
+
+
+def test_the_stand_in_continuation_is_the_rows_then_one_user_turn_with_thinking_off(
+        small_loaded):
+    tok = small_loaded.tokenizer
+    rows = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi there")
+    ids = _continuation_ids(tok, rows, "SYSTEM", "SUMMARISE")
+    assert ids[:len(rows)] == rows
+    text = tok.decode(ids[len(rows):])
+    assert text.startswith("<|im_end|>\n<|im_start|>user\nSYSTEM\n\nSUMMARISE<|im_end|>")
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
