@@ -1339,8 +1339,9 @@ class EngineActor(EngineSpill, EngineIdle, Actor):
             # there (tandem.io.tier.DiskTier.restore), on the engine thread.
             resume = Resume(disk_offer.line, "disk")
         if spill_offer is not None:
-            best = Resume(resume.start, ram.source, guest=ram.guest)
-            if self._weigh_spill(job, spill_offer, best, len(served)):
+            # More than a chunk past every tier in RAM, and past the disk's files.
+            if self._weigh_spill(job, spill_offer, ram, len(served),
+                                 disk_offer.line if disk_offer is not None else 0):
                 # The resident's moves put the engine at its own start; the entry's blocks go
                 # on over the rows in place (tandem.io.spill.SessionSpill.restore), on the
                 # engine thread. Its rows are another copy's: the disk writes nothing of them.

@@ -84,9 +84,11 @@ class EngineSpill:
                  else (lambda record, prompt: None))
         return align_offer(self.spill, prompt, job.namespace, align)
 
-    def _weigh_spill(self, job: Any, offer: Any, resume: Resume, served_len: int) -> bool:
-        """Whether the plan reads ``offer`` over the RAM ``resume``; an entry that shared more
-        than a chunk and does not serve is logged and counted by why."""
+    def _weigh_spill(self, job: Any, offer: Any, resume: Resume, served_len: int,
+                     other: int = 0) -> bool:
+        """Whether the plan reads ``offer`` over the RAM ``resume`` (and the disk tier's offer,
+        which resumes at ``other``); an entry that shared more than a chunk past RAM and does
+        not serve is logged and counted by why."""
         if offer is None:
             return False
         chunk = self.view.prefix_chunk or 1
@@ -96,7 +98,7 @@ class EngineSpill:
                 why = "anchors_below" if resume.source in ("pin", "park", "store") else None
         else:
             take, why = weigh(offer, resume.start, served_len, chunk, self._prefill_rate(),
-                              self._restore_rate())
+                              self._restore_rate(), other)
         if why is not None:
             counts = self.spill_counts["not_served"]
             counts[why] = counts.get(why, 0) + 1

@@ -116,10 +116,13 @@ def slot_entry(holdings: Any, state: Any, token_ids: Sequence[int], length: int,
 
 
 def weigh(offer: SpillOffer | None, start: int, prompt_len: int, chunk: int,
-          prefill_rate: float, restore_rate: float) -> tuple[bool, NotServed | None]:
-    """Whether the entry is worth reading for a prompt the tiers in RAM resume at ``start``:
-    it resumes more than a chunk further, and its read costs less than the prefill it saves.
-    The second value says why an entry that shares more than a chunk does not serve."""
+          prefill_rate: float, restore_rate: float,
+          other: int = 0) -> tuple[bool, NotServed | None]:
+    """Whether the entry is worth reading for a prompt the tiers in RAM resume at ``start``
+    and another tier off RAM (the disk's files) at ``other``: it resumes more than a chunk
+    past RAM and past the other, and its read costs less than the prefill it saves over the
+    better of the two. The second value says why an entry that shares more than a chunk past
+    RAM does not serve."""
     if offer is None or offer.matched <= start + chunk:
         return False, None
     if offer.line <= start + chunk:
@@ -131,8 +134,11 @@ def weigh(offer: SpillOffer | None, start: int, prompt_len: int, chunk: int,
         # Nothing would be left to forward (the first token needs the last one's logits):
         # the prompt ends where the entry would resume.
         return False, "short"
+    beyond = max(start, other)
+    if offer.line <= beyond:
+        return False, "anchors_below"
     read_s = offer.read_nbytes / max(restore_rate, 1.0)
-    saved_s = (offer.line - start) / max(prefill_rate, 1.0)
+    saved_s = (offer.line - beyond) / max(prefill_rate, 1.0)
     if read_s >= saved_s:
         return False, "slow"
     return True, None
