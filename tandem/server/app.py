@@ -320,6 +320,7 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["spill"] = (await _ask(spill_writer, GetSpillStats(), "session spill")).stats
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
+    doc = {**doc, "compaction": state.compaction.statistics()}
     if tiers:
         # Each tier actor's own account of what it holds, asked of it (as of the last
         # generation while its holdings are lent: ``lent_to`` names the request).
