@@ -94,7 +94,8 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def compaction_request(messages: Sequence[Any], tools: Sequence[Any] | None) -> CompactionAsk | None:
+def compaction_request(messages: Sequence[Any], tools: Sequence[Any] | None
+                       ) -> CompactionAsk | None:
     """The parts of a compaction request, or None when the request is not one."""
     if tools or not isinstance(messages, Sequence) or len(messages) < 2:
         return None
