@@ -49,6 +49,7 @@ from tandem.server.state import STATE, ServerState
 log = structlog.get_logger("tandem.server")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SUMMARY_ROOM = 2048  # a compaction's summary is about 2,000 tokens (spec)
 _json = msgspec.json.Encoder()
 
 
@@ -301,9 +302,17 @@ async def _compaction(ctx: _Request, req: ChatCompletionRequest, ask, prompt_ids
     else:
         namespace = namespace_of(req.salt(state.config.cache.require_cache_salt))
         got = await continuation_of(state, ask, ctx.session, namespace)
-    # The continuation answers at least as long as the client's request could have.
-    if isinstance(got, Continuation) and state.window - len(got.prompt_ids) + 1 < params.max_tokens:
-        got = "window"
+    if isinstance(got, Continuation):
+        # The continuation has room for the answer the client asked for (without a limit, for
+        # a summary's, or as much as the client's prompt left).
+        room = state.window - len(got.prompt_ids) + 1
+        wanted = params.max_tokens if req.limit is not None else min(params.max_tokens,
+                                                                       SUMMARY_ROOM)
+        if room < wanted:
+            got = "window"
+        else:
+            params = msgspec.structs.replace(params, max_tokens=params.max_tokens
+                                             if req.limit is not None else room)
     if not isinstance(got, Continuation):
         counts.missed(got)
         log.info("compaction_served_as_sent", request_id=ctx.request_id, why=got)

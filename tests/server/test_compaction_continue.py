@@ -213,6 +213,12 @@ async def test_a_history_whose_first_user_line_is_not_in_the_record_is_served_as
         other = await _chat(client, compaction_messages(messages), tools=None, max_tokens=4,
                             session="ses_another_one")
         stats = await server.app[CACHE_STATS]()
+        # opencode's own request names a limit; one that names none is continued too, its
+        # answer given the room the continuation leaves (not the client's prompt's).
+        unlimited = await client.chat.completions.create(
+            model="small", messages=compaction_messages(messages), temperature=0,
+            extra_body={"tandem_forced_output": "A summary."},
+            extra_headers={"x-session-id": SESSION})
     assert resp.usage.model_extra["tandem"]["compaction"] == {"served": "as_sent",
                                                               "why": "guard"}
     assert _cache(resp)["source"] != "continuation"
@@ -221,6 +227,8 @@ async def test_a_history_whose_first_user_line_is_not_in_the_record_is_served_as
                                                                "why": "no_record"}
     assert stats["compaction"]["guard_misses"] == {"guard": 1, "no_record": 1}
     assert stats["compaction"]["continuations"] == 0
+    assert _cache(unlimited)["source"] == "continuation", unlimited.usage
+    assert unlimited.choices[0].message.content == "A summary."
 
 
 @pytest.mark.parametrize("others,where", [(1, "park"), (2, "spill")])
