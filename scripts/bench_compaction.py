@@ -16,11 +16,11 @@ forced mode (every answer the recorded one) through an in-process server twice:
 
 Printed: the conversation's size, then for each: the compaction's prompt tokens, tokens
 forwarded and TTFT, the turn after it (source, cached), and the ratios cold over continuation.
-The goal size is 32k tokens (``--turns 9 --steps 3 --lines 120``); the default is what ``tiny``
-does in reasonable time on two cores. Ratios, measured side by side: an absolute time on a
+The default is about the goal size, 32k tokens (on ``tiny`` on two cores: about two minutes a
+server); ``--turns 9`` makes it 60k. Ratios, measured side by side: an absolute time on a
 shared machine means little.
 
-    .venv/bin/python scripts/bench_compaction.py [--turns 4] [--steps 3] [--lines 60]
+    .venv/bin/python scripts/bench_compaction.py [--turns 5] [--steps 3] [--lines 120]
         [tandem config flags: --model ... --prefix-chunk ...]
 """
 
@@ -88,9 +88,9 @@ def _row(name: str, turn: dict | None, after: dict | None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--turns", type=int, default=4, help="tasks before the compaction")
+    parser.add_argument("--turns", type=int, default=5, help="tasks before the compaction")
     parser.add_argument("--steps", type=int, default=3, help="tool calls a task")
-    parser.add_argument("--lines", type=int, default=60, help="lines a tool result")
+    parser.add_argument("--lines", type=int, default=120, help="lines a tool result")
     add_config_flags(parser)
     args = parser.parse_args()
     config = load_config(cli_args=args)
