@@ -284,9 +284,16 @@ class SpillConfig(_Section):
         "many tokens, so that the park may give it up."))] = 4096
 
 
-class PreparerConfig(_Section):
-    """The compaction preparer: a compaction summary written ahead while the box is idle."""
+class CompactionConfig(_Section):
+    """A client's compaction request and the summary written ahead (spec: "Compaction as a
+    continuation")."""
 
+    compaction: Annotated[Literal["continue", "client"], Meta(description=(
+        "A compaction request of a session (no tools, the summarisation system text, the "
+        "history as one user message) is served as the continuation of the conversation the "
+        "engine holds for it: its rows up to the end of its last answer, then one user turn "
+        "with the system text and the instructions, thinking off, so the prefill reads that "
+        "turn alone (continue); client: as the client sent it."))] = "continue"
     compaction_prepare: Annotated[Literal["off", "on"], Meta(description=(
         "Write an agent session's compaction summary ahead: when the engine has been idle "
         "compaction_idle_s, no hold is on the box lock and a resident conversation of a "
@@ -320,7 +327,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     speculation: SpeculationConfig = msgspec.field(default_factory=SpeculationConfig)
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
     spill: SpillConfig = msgspec.field(default_factory=SpillConfig)
-    preparer: PreparerConfig = msgspec.field(default_factory=PreparerConfig)
+    compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a

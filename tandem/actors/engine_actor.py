@@ -70,7 +70,9 @@ from tandem.actors.engine_messages import (
     TokenGenerated,
 )
 from tandem.actors.capture_lock import CaptureLockFifo, CaptureLockMisuse
+from tandem.actors.compaction_messages import FindSessionRecord
 from tandem.actors.disk_messages import DiskJob, Fence
+from tandem.actors.engine_compaction import EngineCompaction
 from tandem.actors.engine_idle import EngineIdle
 from tandem.actors.engine_spill import EngineSpill
 from tandem.actors.governor import TierHeld
@@ -265,7 +267,7 @@ class _Outside:
         self.grant_id = grant_id
 
 
-class EngineActor(EngineSpill, EngineIdle, Actor):
+class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
                  make_store: Callable[[Engine], StateStore] | None = None,
@@ -713,6 +715,8 @@ class EngineActor(EngineSpill, EngineIdle, Actor):
                 return await self._read_spill()
             case ListConversations():
                 return await self._list_conversations()
+            case FindSessionRecord():
+                return await self._session_record(msg)
             case RequestCaptureLock(holder=holder, reply_to=reply_to):
                 self._lock.enqueue(_Outside(holder, reply_to, next(self._grant_ids)))
                 self._pump()

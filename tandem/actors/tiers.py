@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from tandem.actors.compaction_messages import FindSession, SessionHeld
 from tandem.actors.messages import Message
 from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
@@ -173,7 +174,18 @@ class ResidentActor(_Lender):
     async def handle(self, msg: Message) -> object | None:
         if isinstance(msg, LendSlot):
             return self._lend_slot(msg)
+        if isinstance(msg, FindSession):
+            return self._find_session(msg)
         return await super().handle(msg)
+
+    def _find_session(self, msg: FindSession) -> SessionHeld:
+        """The idle slots whose rows are the session's and end at an end anchor (a compaction's
+        continuation resumes there)."""
+        namespace = Namespace(msg.namespace)
+        return SessionHeld(slot_ends=[
+            [i, held.ends.end.length] for i, held in enumerate(self.slots)
+            if i not in self.lent and held.session == msg.session
+            and held.namespace == namespace and held.ends.end is not None])
 
     def _lend_slot(self, msg: LendSlot) -> SlotLent:
         """One idle slot's holdings, outside a generation (the spill's drain and start)."""
@@ -231,6 +243,20 @@ class ParkActor(_Lender):
     def __init__(self, name: str = "park", *, holdings: ParkHoldings,
                  governor: Actor | None = None, **actor_options: Any) -> None:
         super().__init__(name, holdings, governor, **actor_options)
+
+    async def handle(self, msg: Message) -> object | None:
+        if isinstance(msg, FindSession):
+            return self._find_session(msg)
+        return await super().handle(msg)
+
+    def _find_session(self, msg: FindSession) -> SessionHeld:
+        """The parked conversation, when it is the session's and kept its end anchor."""
+        parked = self.holdings.park.parked
+        if self.lent_to is not None or parked is None or parked.end is None \
+                or parked.session != msg.session or parked.namespace != Namespace(msg.namespace):
+            return SessionHeld()
+        return SessionHeld(park_end=parked.end.length, park_head=parked.head,
+                           token_ids=list(parked.token_ids[:parked.end.length]))
 
     def _offer(self, msg: OfferTiers) -> ParkOffered:
         offer = park_offer(self.holdings, msg.prompt_ids, Namespace(msg.namespace), msg.rows,

@@ -10,7 +10,11 @@ Sources (``usage.tandem.cache.source``):
   conversation parked when another came (all in the resident tier);
 - ``store``: a state store snapshot; ``disk``: the disk tier's chunk and anchor files (above the
   rows in place); ``spill``: a whole conversation read back from the session spill on the NVMe;
-  ``response``: the response cache answered, no engine ran.
+  ``response``: the response cache answered, no engine ran;
+- ``continuation``: a compaction request served as the continuation of the conversation the
+  engine held for its session (tandem/server/compaction.py): the prefill resumed at the end
+  anchor of its last generation (in place, parked or on the NVMe) and read only the new turn.
+  Its tier is the resident's here; the usage frame names the tier the rows really came from.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Source = Literal["cold", "engine", "resident", "prompt_end", "end", "pin", "park", "store",
-                 "disk", "spill", "response"]
-Tier = Literal["resident", "store", "disk", "spill", "response"]
+                 "disk", "spill", "response", "continuation"]
+Tier = Literal["resident", "store", "disk", "spill", "response", "continuation"]
 # How a generation that ran ended (the engine's word); the routes add "tool_calls" and "error".
 FinishReason = Literal["stop", "length", "cancelled"]
 

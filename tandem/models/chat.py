@@ -175,6 +175,15 @@ class ChatPrompt:
         since a checkpoint's template decides it by its own defaults."""
         return opens_reasoning(self._marked)
 
+    def after(self, marker: str) -> ChatPrompt | None:
+        """The prompt after the first occurrence of ``marker`` (plain text with no control
+        token, which the template wrote verbatim), encoded as the same marks; None when the
+        text does not hold it."""
+        at = self._marked.find(marker)
+        if at < 0:
+            return None
+        return ChatPrompt(self._marked[at + len(marker):], self._marks)
+
     def encode(self, tokenizer: Any) -> list[int]:
         marks = self._marks
         if not marks.used:

@@ -330,6 +330,7 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["spill"] = (await _ask(spill_writer, GetSpillStats(), "session spill")).stats
     if extra:
         doc = {**doc, "tiers": {**doc.get("tiers", {}), **extra}}
+    doc = {**doc, "compaction": state.compaction.statistics()}
     if preparer is not None:
         doc = {**doc, "compaction_preparer": (await _ask(preparer, GetPreparerStats(),
                                                          "compaction preparer")).stats}
@@ -397,7 +398,7 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
 def _make_preparer(config: Config, loaded: Any, engine: Actor) -> CompactionPreparer | None:
     """The compaction preparer, with the caches and compaction_prepare on (over the real
     engine actor only: it runs idle work as guests in the engine's slots)."""
-    p = config.preparer
+    p = config.compaction
     if not (config.cache.caches and p.compaction_prepare == "on"
             and isinstance(engine, EngineActor)):
         return None

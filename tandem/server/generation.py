@@ -136,7 +136,9 @@ class Run:
     def __init__(self, state: ServerState, request: web.Request, *, route: str, request_id: str,
                  prompt_ids: list[int], params: GenerationParams, stops: list[str],
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
-                 marks: PromptMarks | None = None, side: bool = False) -> None:
+                 marks: PromptMarks | None = None, side: bool = False,
+                 client_prompt_tokens: int | None = None, compaction: dict | None = None,
+                 ) -> None:
         self.state = state
         self.marks = marks  # a chat prompt's parts, for the disk tier's head
         self.side = side  # a side request (tandem/server/side.py)
@@ -144,6 +146,11 @@ class Run:
         self.route = route
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        # A compaction's continuation (tandem/server/compaction.py) runs other ids than the
+        # client's prompt: usage counts the client's, and what was forwarded against it.
+        self.client_prompt_tokens = (len(prompt_ids) if client_prompt_tokens is None
+                                     else client_prompt_tokens)
+        self.compaction = compaction  # how a compaction request was served (None: not one)
         self.params = params
         self.session = session
         # Only the salt's digest is kept: the salt never reaches the engine, a log or the
@@ -376,28 +383,43 @@ class Run:
         """The client's prompt tokens that were not forwarded (OpenAI's cached_tokens)."""
         if self.result is None:
             return 0
-        return max(0, len(self.prompt_ids) - self.result.reread_tokens)
+        return max(0, self.client_prompt_tokens - self.result.reread_tokens)
 
     @property
     def cache_source(self) -> Source:
+        if self.result is None:
+            return "cold"
+        c = self.compaction
+        if c is not None and c.get("served") == "continuation" \
+                and self.result.reused_tokens >= c["record_tokens"]:
+            return "continuation"  # resumed at the record's end, from whichever copy held it
+        return self.result.cache_source
+
+    @property
+    def engine_source(self) -> Source:
+        """What served the rows as the engine says it (the tier of a continuation's rows)."""
         return self.result.cache_source if self.result is not None else "cold"
 
     def usage(self) -> dict:
-        prompt = len(self.prompt_ids)
+        prompt = self.client_prompt_tokens
         source = self.cache_source
         r = self.result
         # cached and reread in the served prompt's positions (the spec's usage split); the
         # served prompt differs from the client's where the end alignment put rows back.
-        tier = tier_of(source)
+        tier = tier_of(self.engine_source)
         cache = {"tier": tier, "source": source,
                  "cached": r.reused_tokens if r else 0, "reread": r.reread_tokens if r else 0,
                  "slot": r.slot if r else None}
         if r is not None and r.aligned:
             cache["aligned"] = r.aligned
             cache["end_replayed"] = r.end_replayed
+        if source == "continuation":
+            cache["resumed_from"] = self.engine_source
         tandem: dict = {"cache": cache}
         if self.side:
             tandem["side"] = True
+        if self.compaction is not None:
+            tandem["compaction"] = dict(self.compaction)
         if r is not None:
             tandem["speculation"] = {"drafted": r.drafted, "accepted": r.accepted}
         if self.ttft_ms is not None:
@@ -421,7 +443,7 @@ class Run:
             if self.finish_reason is None:
                 self.finish_reason = "cancelled"
         m = self.state.metrics
-        prompt = len(self.prompt_ids)
+        prompt = self.client_prompt_tokens
         cached = self.cached_tokens
         ran = self.result is not None
         if ran:
@@ -462,6 +484,10 @@ class Run:
             extra["guest"] = True
         if self.side:
             extra["side"] = True
+        if self.compaction is not None:
+            extra["compaction"] = dict(self.compaction)
+            if self.cache_source == "continuation":
+                extra["resumed_from"] = self.engine_source
         return extra or None
 
 

@@ -16,9 +16,11 @@ import time
 from typing import Any
 
 import msgspec
+import structlog
 from aiohttp import web
 
 from tandem.actors.engine_messages import GenerationParams, PromptMarks
+from tandem.cache.namespace import namespace_of
 from tandem.models.chat import (
     ChatError,
     ContentDelta,
@@ -33,6 +35,7 @@ from tandem.models.chat import (
     turn_starts,
 )
 from tandem.server.body import read_json
+from tandem.server.compaction import Continuation, compaction_request, continuation_of
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
 from tandem.server.guard import require_admin
@@ -43,7 +46,10 @@ from tandem.server.sessions import session_key
 from tandem.server.side import is_side_request
 from tandem.server.state import STATE, ServerState
 
+log = structlog.get_logger("tandem.server")
+
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SUMMARY_ROOM = 2048  # a compaction's summary is about 2,000 tokens (spec)
 _json = msgspec.json.Encoder()
 
 
@@ -190,12 +196,14 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
         body = await read_json(request, server.max_body_bytes, server.request_read_timeout_s)
         ctx.session = session_key(body, request.headers, ctx.state.session_secret)
         req, prompt_ids, params, stops, extra = await prepare(ctx, body)
-        ctx.prompt_tokens = len(prompt_ids)
+        ctx.prompt_tokens = extra.get("client_prompt_tokens") or len(prompt_ids)
         ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
                       arrived_s=ctx.arrived_s,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
-                      marks=extra.get("marks"), side=extra.get("side", False))
+                      marks=extra.get("marks"), side=extra.get("side", False),
+                      client_prompt_tokens=extra.get("client_prompt_tokens"),
+                      compaction=extra.get("compaction"))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
@@ -214,6 +222,10 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
     finally:
         if ctx.run is not None and ctx.run.started:
             ctx.run.close(status, code)  # no-op when already closed
+            if "continuation" in extra and ctx.run.result is not None:
+                ctx.state.compaction.ran(ctx.run.cache_source == "continuation",
+                                         ctx.run.client_prompt_tokens,
+                                         ctx.run.result.reread_tokens)
         else:
             ctx.refused(status, code)
         ctx.counted(status)
@@ -265,10 +277,58 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
         params = msgspec.structs.replace(params, max_reasoning_tokens=0)
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
-    return req, prompt_ids, params, stops, {"thinking": thinking, "tools": req.tools,
-                                            "marks": _marks(state, req, prompt_ids),
-                                            "side": state.config.server.side_requests
-                                            and is_side_request(req.messages)}
+    extra = {"thinking": thinking, "tools": req.tools, "marks": _marks(state, req, prompt_ids),
+             "side": state.config.server.side_requests and is_side_request(req.messages)}
+    if not extra["side"] and (ask := compaction_request(req.messages, req.tools)) is not None:
+        prompt_ids, params = await _compaction(ctx, req, ask, prompt_ids, params, extra)
+    return req, prompt_ids, params, stops, extra
+
+
+async def _compaction(ctx: _Request, req: ChatCompletionRequest, ask, prompt_ids: list[int],
+                      params: GenerationParams, extra: dict,
+                      ) -> tuple[list[int], GenerationParams]:
+    """A compaction request (tandem/server/compaction.py): its prompt as the continuation of the
+    session's conversation, or as the client sent it (the knob, or a miss of the guard; both
+    said in ``extra["compaction"]``, the usage frame's and the journal's)."""
+    state = ctx.state
+    counts = state.compaction
+    counts.recognised += 1
+    if state.config.compaction.compaction == "client":
+        counts.client += 1
+        extra["compaction"] = {"served": "as_sent", "why": "client"}
+        return prompt_ids, params
+    if ctx.session is None:
+        got = "no_session"
+    else:
+        namespace = namespace_of(req.salt(state.config.cache.require_cache_salt))
+        got = await continuation_of(state, ask, ctx.session, namespace)
+    if isinstance(got, Continuation):
+        # The continuation has room for the answer the client asked for (without a limit, for
+        # a summary's, or as much as the client's prompt left).
+        room = state.window - len(got.prompt_ids) + 1
+        wanted = params.max_tokens if req.limit is not None else min(params.max_tokens,
+                                                                       SUMMARY_ROOM)
+        if room < wanted:
+            got = "window"
+        else:
+            params = msgspec.structs.replace(params, max_tokens=params.max_tokens
+                                             if req.limit is not None else room)
+    if not isinstance(got, Continuation):
+        counts.missed(got)
+        log.info("compaction_served_as_sent", request_id=ctx.request_id, why=got)
+        extra["compaction"] = {"served": "as_sent", "why": got}
+        return prompt_ids, params
+    counts.continuations += 1
+    log.info("compaction_continued", request_id=ctx.request_id, where=got.where,
+             record_tokens=got.record_tokens, turn_tokens=got.turn_tokens,
+             client_prompt_tokens=len(prompt_ids))
+    extra.update(thinking=False, marks=got.marks, continuation=got,
+                 client_prompt_tokens=len(prompt_ids),
+                 compaction={"served": "continuation", "where": got.where,
+                             "record_tokens": got.record_tokens,
+                             "turn_tokens": got.turn_tokens})
+    # Thinking is off: no reasoning to budget.
+    return got.prompt_ids, msgspec.structs.replace(params, max_reasoning_tokens=0)
 
 
 def _marks(state: ServerState, req: ChatCompletionRequest, ids: list[int]) -> PromptMarks:

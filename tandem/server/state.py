@@ -57,8 +57,14 @@ class ServerState:
     # The key of the sessions' hashes (tandem.server.sessions.load_secret: the home's).
     session_secret: bytes = b""
     response_cache: Any = None  # a tandem.cache.response.ResponseCache when response_cache is on
+    # The compaction requests' counters (tandem.server.compaction.CompactionCounts).
+    compaction: Any = None
 
     def __post_init__(self) -> None:
+        if self.compaction is None:
+            from tandem.server.compaction import CompactionCounts
+
+            self.compaction = CompactionCounts(mode=self.config.compaction.compaction)
         if self.recorder is None and (folder := self.config.record_path()) is not None:
             from tandem.replay.record import Recorder
 

@@ -17,7 +17,12 @@ def test_the_store_the_disk_the_spill_and_the_response_cache_are_their_own_tiers
     assert tier_of("response") == "response"
     assert tier_of("cold") is None
     assert set(SOURCES) == {"cold", "engine", "resident", "prompt_end", "end", "pin", "park",
-                            "store", "disk", "spill", "response"}
+                            "store", "disk", "spill", "response", "continuation"}
+
+
+def test_a_continuation_counts_as_the_resident_tier_by_itself():
+    # Its usage frame names the tier its rows came from (in place, the park, the spill).
+    assert tier_of("continuation") == "resident"
 
 
 def test_an_unknown_source_is_refused_rather_than_called_resident():

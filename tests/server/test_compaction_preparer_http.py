@@ -4,7 +4,7 @@ in /v1/actors and as the compaction_preparer section of /v1/cache/stats; absent 
 import aiohttp
 
 from tandem.cache.prepared import PreparedAnswers
-from tandem.config import Config, PreparerConfig
+from tandem.config import CompactionConfig, Config
 from tandem.server.app import _continuation_ids, build_app
 from tandem.server.keys import PREPARED, SUPERVISOR
 
@@ -41,7 +41,7 @@ async def test_the_preparer_runs_with_the_caches_and_reports_its_counters(
 async def test_compaction_prepare_off_builds_no_preparer(small_loaded, make_config, serve):
     base = make_config()
     config = Config(home=base.home, server=base.server, engine=base.engine,
-                    preparer=PreparerConfig(compaction_prepare="off"))
+                    compaction=CompactionConfig(compaction_prepare="off"))
     app = build_app(config, small_loaded)
     assert "compaction_preparer" not in app[SUPERVISOR].actors and app[PREPARED] is None
     stats, _ = await _docs(app, serve)

@@ -1,0 +1,135 @@
+"""A compaction request served cold against as the continuation of its conversation, side by side
+in one process (issue 17; spec: "Compaction as a continuation").
+
+An opencode-shaped session (scripts/make_sessions.py's: its system text, 10 tools,
+``x-session-id``, tool loops with results of ``--lines`` lines, a title request) of ``--turns``
+tasks of ``--steps`` tool calls each, then its compaction request (the agent's system text, one
+user message holding the history as role-marked lines) and the turn after it, replayed in
+forced mode (every answer the recorded one) through an in-process server twice:
+
+- ``cold``: ``compaction = client``, the request as sent: its history as text shares nothing
+  with the rows (its few tokens aside), so the prefill reads it whole;
+- ``continuation``: ``compaction = continue``: the session's rows up to its end anchor, then one
+  user turn; the prefill resumes at the end anchor and reads that turn;
+- ``prepared``: the preparer's column (the summary written ahead, answered without the engine);
+  ``-`` until it exists (``prepared_run`` is its hook).
+
+Printed: the conversation's size, then for each: the compaction's prompt tokens, tokens
+forwarded and TTFT, the turn after it (source, cached), and the ratios cold over continuation.
+The default is about the goal size, 32k tokens (on ``tiny`` on two cores: about two minutes a
+server); ``--turns 9`` makes it 60k. Ratios, measured side by side: an absolute time on a
+shared machine means little.
+
+    .venv/bin/python scripts/bench_compaction.py [--turns 5] [--steps 3] [--lines 120]
+        [tandem config flags: --model ... --prefix-chunk ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_sessions import opencode_session  # noqa: E402
+
+from tandem.config import CompactionConfig, add_config_flags, load_config  # noqa: E402
+from tandem.logs import configure_logging  # noqa: E402
+from tandem.models import load_model  # noqa: E402
+from tandem.models.chat import encode_chat  # noqa: E402
+from tandem.replay.main import replay  # noqa: E402
+from tandem.server.compaction import compaction_request  # noqa: E402
+
+
+def session_rows(turns: int, steps: int, lines: int) -> list[dict]:
+    plan = [(steps, lines)] * turns + [(1, lines)]  # the last task is the turn after it
+    return opencode_session("bench", 7, plan, compact_after=turns - 1)
+
+
+def compaction_index(rows: list[dict]) -> int:
+    """The compaction request's position among the rows that are requests."""
+    requests = [r for r in rows if "body" in r]
+    for i, row in enumerate(requests):
+        body = row["body"]
+        if compaction_request(body["messages"], body.get("tools")) is not None:
+            return i
+    raise SystemExit("the session has no compaction request")
+
+
+async def run(rows: list[dict], config: Any, loaded: Any, mode: str) -> dict:
+    config = msgspec.structs.replace(config, compaction=CompactionConfig(compaction=mode))
+    t = time.perf_counter()
+    doc = await replay(rows, config, mode="forced", loaded=loaded)
+    doc["wall_s"] = time.perf_counter() - t
+    return doc
+
+
+def prepared_run(rows: list[dict], config: Any, loaded: Any) -> dict | None:
+    """The compaction preparer's run (the summary written ahead, then the request): the
+    preparer's own work fills it. None: no preparer here."""
+    return None
+
+
+def _row(name: str, turn: dict | None, after: dict | None) -> str:
+    if turn is None:
+        return f"| {name} | - | - | - | - | - |"
+    return (f"| {name} | {turn['prompt_tokens']} | {turn['reread']} | {turn['ttft_ms']:.0f} | "
+            f"{turn['source']} | {after['source'] if after else '-'} "
+            f"{after['cached'] if after else ''} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=5, help="tasks before the compaction")
+    parser.add_argument("--steps", type=int, default=3, help="tool calls a task")
+    parser.add_argument("--lines", type=int, default=120, help="lines a tool result")
+    add_config_flags(parser)
+    args = parser.parse_args()
+    config = load_config(cli_args=args)
+    # Without the suffix store: one that saw these answers would draft them (spec).
+    config = msgspec.structs.replace(config, speculation=msgspec.structs.replace(
+        config.speculation, suffix_store=False))
+    configure_logging(args.log_level or "warning")
+    loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+    rows = session_rows(args.turns, args.steps, args.lines)
+    at = compaction_index(rows)
+    requests = [r for r in rows if "body" in r]
+    before = requests[at - 1]["body"]
+    size = len(encode_chat(loaded.tokenizer, before["messages"], before.get("tools")))
+    print(f"model {loaded.name}, prefix_chunk {config.engine.prefix_chunk}, window "
+          f"{config.engine.window}; the conversation before its compaction: {size} tokens "
+          f"({args.turns} tasks of {args.steps} tool calls, results of {args.lines} lines)\n")
+    docs = {}
+    for mode, name in (("client", "cold"), ("continue", "continuation")):
+        # Each in a home of its own: the spill would bring one run's conversation to the next.
+        home = Path(config.home_path()) / f"bench-compaction-{name}"
+        docs[name] = asyncio.run(run(rows, msgspec.structs.replace(config, home=str(home)),
+                                     loaded, mode))
+        print(f"{name}: {docs[name]['wall_s']:.0f} s, errors "
+              f"{docs[name]['totals']['errors']}", file=sys.stderr, flush=True)
+    prepared = prepared_run(rows, config, loaded)
+    print("| compaction | prompt tokens | forwarded | TTFT ms | source | the turn after: "
+          "source, cached |\n|---|---:|---:|---:|---|---|")
+    picked = {}
+    for name, doc in (*docs.items(), ("prepared", prepared)):
+        turns = doc["turns"] if doc is not None else None
+        picked[name] = turns[at] if turns else None
+        print(_row(name, picked[name], turns[at + 1] if turns else None))
+    cold, cont = picked["cold"], picked["continuation"]
+    print(f"\nforwarded cold / continuation: {cold['reread']} / {cont['reread']} = "
+          f"{cold['reread'] / max(cont['reread'], 1):.1f}x; TTFT cold / continuation: "
+          f"{cold['ttft_ms']:.0f} / {cont['ttft_ms']:.0f} ms = "
+          f"{cold['ttft_ms'] / max(cont['ttft_ms'], 1e-3):.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
