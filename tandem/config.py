@@ -285,8 +285,7 @@ class SpillConfig(_Section):
 
 
 class CompactionConfig(_Section):
-    """A client's compaction request and the summary written ahead (spec: "Compaction as a
-    continuation")."""
+    """Compaction requests, served as continuations, and their summaries written ahead."""
 
     compaction: Annotated[Literal["continue", "client"], Meta(description=(
         "A compaction request of a session (no tools, the summarisation system text, the "
@@ -352,9 +351,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     def box_lock_path(self) -> Path | None:
         """The box lock's file, or None when there is none."""
-        if not self.preparer.box_lock:
+        if not self.compaction.box_lock:
             return None
-        path = Path(self.preparer.box_lock).expanduser()
+        path = Path(self.compaction.box_lock).expanduser()
         return path if path.is_absolute() else self.home_path() / path
 
     def record_path(self) -> Path | None:

@@ -14,7 +14,9 @@ Sources (``usage.tandem.cache.source``):
 - ``continuation``: a compaction request served as the continuation of the conversation the
   engine held for its session (tandem/server/compaction.py): the prefill resumed at the end
   anchor of its last generation (in place, parked or on the NVMe) and read only the new turn.
-  Its tier is the resident's here; the usage frame names the tier the rows really came from.
+  Its tier is the resident's here; the usage frame names the tier the rows really came from;
+- ``prepared``: a compaction request answered from the summary the compaction preparer wrote
+  ahead at that end anchor, with the same system text and template: no engine ran.
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 Source = Literal["cold", "engine", "resident", "prompt_end", "end", "pin", "park", "store",
-                 "disk", "spill", "response", "continuation"]
-Tier = Literal["resident", "store", "disk", "spill", "response", "continuation"]
+                 "disk", "spill", "response", "continuation", "prepared"]
+Tier = Literal["resident", "store", "disk", "spill", "response", "continuation", "prepared"]
 # How a generation that ran ended (the engine's word); the routes add "tool_calls" and "error".
 FinishReason = Literal["stop", "length", "cancelled"]
 
 SOURCES: tuple[str, ...] = get_args(Source)
-_OWN_TIER = {"store": "store", "disk": "disk", "spill": "spill", "response": "response"}
+_OWN_TIER = {"store": "store", "disk": "disk", "spill": "spill", "response": "response",
+             "prepared": "prepared"}
 
 
 def tier_of(source: Source) -> Tier | None:

@@ -46,6 +46,7 @@ from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
 from tandem.io.spill import make_session_spill
+from tandem.server.compaction import continuation_ids
 from tandem.io.tier import make_disk_tier
 from tandem.server.disk_routes import (add_disk_routes, journal_disk_events,
                                        journal_disk_events_every)
@@ -410,23 +411,13 @@ def _make_preparer(config: Config, loaded: Any, engine: Actor) -> CompactionPrep
     lock_path = config.box_lock_path()
     return CompactionPreparer(
         engine=engine, prepared=PreparedAnswers(),
-        continuation=partial(_continuation_ids, tokenizer),
+        continuation=partial(continuation_ids, tokenizer,
+                             getattr(tokenizer, "chat_template", None)),
         template_sha=template_info(getattr(tokenizer, "chat_template", None)).sha256,
         box_lock=BoxLock(lock_path) if lock_path is not None else None,
         idle_s=p.compaction_idle_s, min_tokens=p.compaction_min_tokens,
         gpu_busy=other_gpu_programs if torch.cuda.is_available() else None,
         decode=tokenizer.decode)
-
-
-def _continuation_ids(tokenizer: Any, rows: list[int], system_text: str,
-                      instructions: str) -> list[int]:
-    """The continuation's prompt ids: the record's rows, then one user turn with the system
-    text and the instructions, thinking off (the Qwen chat format). A stand-in for the chat
-    route's builder (tandem/server/compaction.py), which the preparer takes once it is
-    joined."""
-    turn = ("<|im_end|>\n<|im_start|>user\n" + system_text + "\n\n" + instructions
-            + "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    return list(rows) + tokenizer.encode(turn)
 
 
 def spill_enabled(config: Any) -> bool:
@@ -531,8 +522,14 @@ async def cache_clear(request: web.Request) -> web.Response:
             entries, nbytes = cache.statistics()["entries"], cache.nbytes
             cache.clear()
             dropped["response"] = {"entries": entries, "nbytes": nbytes}
+        prepared = app.get(PREPARED)
+        if prepared is not None:
+            # The summaries written ahead: each is an answer kept in memory.
+            dropped["prepared"] = {"entries": len(prepared)}
+            prepared.clear()
     tasks = {"disk": "disk_cache", "spill": "session_spill", "store": "store",
-             "response": "response_cache", "resident": "resident"}
+             "response": "response_cache", "resident": "resident",
+             "prepared": "compaction_prepared"}
     for name, counts in dropped.items():
         state.journal.append(EventRow(kind="memory", task=tasks[name], event="clear",
                                       t=time.time(), detail=counts))

@@ -234,6 +234,16 @@ def build_continuation(ask: CompactionAsk, record: Sequence[int], where: RecordW
                                     head_stop=first_answer))
 
 
+def continuation_ids(tokenizer: Any, template: str | None, rows: Sequence[int],
+                     system_text: str, instructions: str) -> list[int]:
+    """The continuation's prompt ids over ``rows`` (a conversation up to its end anchor) with
+    this system text and these instructions: the route's own build, which the compaction
+    preparer writes its summary ahead with, so that a later request's prompt is the very one
+    the summary was written for."""
+    ask = CompactionAsk(system_text, "", instructions, ())
+    return build_continuation(ask, rows, "slot", tokenizer, template).prompt_ids
+
+
 @dataclass
 class CompactionCounts:
     """The ``compaction`` section of /v1/cache/stats: requests recognised as compactions, those

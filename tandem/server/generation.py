@@ -15,6 +15,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import structlog
@@ -138,7 +139,7 @@ class Run:
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
                  marks: PromptMarks | None = None, side: bool = False,
                  client_prompt_tokens: int | None = None, compaction: dict | None = None,
-                 ) -> None:
+                 prepared: Any = None) -> None:
         self.state = state
         self.marks = marks  # a chat prompt's parts, for the disk tier's head
         self.side = side  # a side request (tandem/server/side.py)
@@ -151,6 +152,8 @@ class Run:
         self.client_prompt_tokens = (len(prompt_ids) if client_prompt_tokens is None
                                      else client_prompt_tokens)
         self.compaction = compaction  # how a compaction request was served (None: not one)
+        # The compaction preparer's summary that answers it (tandem.cache.prepared).
+        self.prepared = prepared
         self.params = params
         self.session = session
         # Only the salt's digest is kept: the salt never reaches the engine, a log or the
@@ -217,8 +220,29 @@ class Run:
             prompt_logprobs=(None if self.prompt_logprobs is None
                              else tuple(self.prompt_logprobs))), self.namespace)
 
+    def _answer_prepared(self) -> bool:
+        """A compaction answered from the summary written ahead: its tokens replayed into our
+        queue (cut at the request's max_tokens, as a greedy run of it would stop there)."""
+        answer = self.prepared
+        if answer is None:
+            return False
+        limit = self.params.max_tokens
+        tokens = list(answer.token_ids[:limit])
+        reason = "length" if len(answer.token_ids) > limit else answer.finish_reason
+        put = self._events.put_nowait
+        put(GenerationStarted(self.request_id, len(self.prompt_ids), 0.0))
+        put(PrefillAdmitted(self.request_id))
+        for index, token_id in enumerate(tokens):
+            put(TokenGenerated(self.request_id, token_id, index, False, None))
+        put(GenerationFinished(self.request_id, reason, len(self.prompt_ids), len(tokens),
+                               reused_tokens=len(self.prompt_ids), prefill_ms=0.0,
+                               decode_ms=0.0, decode_tok_s=0.0, cache_source="prepared",
+                               reread_tokens=0))
+        self.started = self.from_memory = True
+        return True
+
     async def start(self) -> None:
-        if self._answer_from_memory():
+        if self._answer_prepared() or self._answer_from_memory():
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
                        session=self.session, namespace=self.namespace, marks=self.marks,

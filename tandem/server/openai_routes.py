@@ -21,6 +21,7 @@ from aiohttp import web
 
 from tandem.actors.engine_messages import GenerationParams, PromptMarks
 from tandem.cache.namespace import namespace_of
+from tandem.cache.prepared import rows_digest
 from tandem.models.chat import (
     ChatError,
     ContentDelta,
@@ -40,6 +41,7 @@ from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
 from tandem.server.guard import require_admin
 from tandem.server.journal import RequestRow
+from tandem.server.keys import PREPARED
 from tandem.server.logprobs_json import LogprobsWriter
 from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Sampling, decode_body
 from tandem.server.sessions import session_key
@@ -203,7 +205,7 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
                       marks=extra.get("marks"), side=extra.get("side", False),
                       client_prompt_tokens=extra.get("client_prompt_tokens"),
-                      compaction=extra.get("compaction"))
+                      compaction=extra.get("compaction"), prepared=extra.get("prepared"))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
@@ -279,9 +281,19 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
     extra = {"thinking": thinking, "tools": req.tools, "marks": _marks(state, req, prompt_ids),
              "side": state.config.server.side_requests and is_side_request(req.messages)}
+    prepared = ctx.request.app.get(PREPARED)
+    if prepared is not None and ctx.session is not None and req.tools:
+        prepared.note_session(ctx.session, _client(ctx.request))  # an agent's conversation
     if not extra["side"] and (ask := compaction_request(req.messages, req.tools)) is not None:
         prompt_ids, params = await _compaction(ctx, req, ask, prompt_ids, params, extra)
     return req, prompt_ids, params, stops, extra
+
+
+def _client(request: web.Request) -> str:
+    """Which client sent a request, for the instructions it compacts with: the first product
+    of its User-Agent (never logged)."""
+    agent = request.headers.get("User-Agent", "").strip()
+    return agent.split("/", 1)[0].split(" ", 1)[0][:64] or "unknown"
 
 
 async def _compaction(ctx: _Request, req: ChatCompletionRequest, ask, prompt_ids: list[int],
@@ -302,6 +314,10 @@ async def _compaction(ctx: _Request, req: ChatCompletionRequest, ask, prompt_ids
     else:
         namespace = namespace_of(req.salt(state.config.cache.require_cache_salt))
         got = await continuation_of(state, ask, ctx.session, namespace)
+    prepared = ctx.request.app.get(PREPARED)
+    if prepared is not None:
+        # The preparer writes its next summaries with this client's own text.
+        prepared.remember_instructions(_client(ctx.request), ask.system, ask.instructions)
     if isinstance(got, Continuation):
         # The continuation has room for the answer the client asked for (without a limit, for
         # a summary's, or as much as the client's prompt left).
@@ -318,6 +334,19 @@ async def _compaction(ctx: _Request, req: ChatCompletionRequest, ask, prompt_ids
         log.info("compaction_served_as_sent", request_id=ctx.request_id, why=got)
         extra["compaction"] = {"served": "as_sent", "why": got}
         return prompt_ids, params
+    answer = None if prepared is None else prepared.lookup(
+        ctx.session, rows_digest(got.prompt_ids[:got.record_tokens]), ask.system,
+        template_info(state.chat_template).sha256)
+    if answer is not None:
+        # Written ahead at this very end anchor, with this system text and template: the
+        # answer without the engine.
+        log.info("compaction_prepared_served", request_id=ctx.request_id,
+                 record_tokens=got.record_tokens, completion_tokens=answer.completion_tokens)
+        extra.update(thinking=False, prepared=answer, client_prompt_tokens=len(prompt_ids),
+                     compaction={"served": "prepared", "where": got.where,
+                                 "record_tokens": got.record_tokens,
+                                 "turn_tokens": got.turn_tokens})
+        return got.prompt_ids, msgspec.structs.replace(params, max_reasoning_tokens=0)
     counts.continuations += 1
     log.info("compaction_continued", request_id=ctx.request_id, where=got.where,
              record_tokens=got.record_tokens, turn_tokens=got.turn_tokens,

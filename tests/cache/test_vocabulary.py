@@ -14,10 +14,12 @@ def test_the_store_the_disk_the_spill_and_the_response_cache_are_their_own_tiers
     assert tier_of("store") == "store"
     assert tier_of("disk") == "disk"
     assert tier_of("spill") == "spill"
+    assert tier_of("prepared") == "prepared"  # the preparer's summaries, no engine ran
     assert tier_of("response") == "response"
     assert tier_of("cold") is None
     assert set(SOURCES) == {"cold", "engine", "resident", "prompt_end", "end", "pin", "park",
-                            "store", "disk", "spill", "response", "continuation"}
+                            "store", "disk", "spill", "response", "continuation",
+                            "prepared"}
 
 
 def test_a_continuation_counts_as_the_resident_tier_by_itself():

@@ -254,3 +254,47 @@ async def test_a_compaction_continues_its_session_from_the_park_or_the_spill(
     cache = _cache(resp)
     assert cache["source"] == "continuation" and cache["resumed_from"] == where, cache
     assert cache["reread"] == compaction["turn_tokens"]
+
+
+async def test_a_summary_written_ahead_while_idle_answers_the_compaction_without_the_engine(
+        small_loaded, make_config, serve, sdk):
+    """The preparer (tandem/actors/compaction_preparer.py) writes the continuation of the
+    session's conversation ahead, with the system text and instructions this client last sent;
+    the next compaction request at that end anchor is answered from it (source ``prepared``)
+    with the tokens a continuation would have decoded (the greedy gate, against a server that
+    prepares nothing)."""
+    import asyncio
+
+    from tandem.server.keys import SUPERVISOR
+
+    base = make_config(allow_forced_output=True, window=4096)
+    config = msgspec.structs.replace(base, compaction=CompactionConfig(
+        compaction_idle_s=0.2, compaction_min_tokens=64))
+
+    async def flow(config, prepare: bool):
+        async with serve(build_app(config, small_loaded)) as server:
+            if prepare:
+                server.app[SUPERVISOR].actors["compaction_preparer"].max_tokens = 12
+            client = sdk(server)
+            compact = compaction_messages(await _session(client))
+            first = await _chat(client, compact, tools=None, max_tokens=12)
+            if prepare:
+                async with asyncio.timeout(60):
+                    while (await server.app[CACHE_STATS]())["compaction_preparer"][
+                            "finished"] < 1:
+                        await asyncio.sleep(0.05)
+            again = await _chat(client, compact, tools=None, max_tokens=12)
+            return first, again, await server.app[CACHE_STATS]()
+
+    first, again, stats = await flow(config, True)
+    assert _cache(first)["source"] == "continuation"
+    assert _cache(again)["source"] == "prepared", _cache(again)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+    assert again.usage.model_extra["tandem"]["compaction"]["served"] == "prepared"
+    assert stats["compaction_preparer"]["served"] == 1
+    off = msgspec.structs.replace(config, home=config.home + "-off", compaction=CompactionConfig(
+        compaction_prepare="off"))
+    _, want, _ = await flow(off, False)
+    assert _cache(want)["source"] == "continuation"
+    assert again.choices[0].message.content == want.choices[0].message.content
+    assert again.usage.completion_tokens == want.usage.completion_tokens

@@ -5,7 +5,8 @@ import aiohttp
 
 from tandem.cache.prepared import PreparedAnswers
 from tandem.config import CompactionConfig, Config
-from tandem.server.app import _continuation_ids, build_app
+from tandem.server.app import build_app
+from tandem.server.compaction import CompactionAsk, build_continuation, continuation_ids
 from tandem.server.keys import PREPARED, SUPERVISOR
 
 COUNTERS = {"started", "yielded", "yielded_by", "finished", "served", "failed", "lock_busy"}
@@ -48,12 +49,14 @@ async def test_compaction_prepare_off_builds_no_preparer(small_loaded, make_conf
     assert "compaction_preparer" not in stats
 
 
-def test_the_stand_in_continuation_is_the_rows_then_one_user_turn_with_thinking_off(
-        small_loaded):
+def test_the_preparer_writes_with_the_routes_own_continuation(small_loaded):
+    """Its prompt is the one a compaction request at that end anchor is served with, so the
+    summary it writes is the one that request would decode."""
     tok = small_loaded.tokenizer
     rows = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi there")
-    ids = _continuation_ids(tok, rows, "SYSTEM", "SUMMARISE")
+    ids = continuation_ids(tok, None, rows, "SYSTEM", "SUMMARISE")
+    ask = CompactionAsk("SYSTEM", "", "SUMMARISE", ())
+    assert ids == build_continuation(ask, rows, "slot", tok, None).prompt_ids
     assert ids[:len(rows)] == rows
     text = tok.decode(ids[len(rows):])
-    assert text.startswith("<|im_end|>\n<|im_start|>user\nSYSTEM\n\nSUMMARISE<|im_end|>")
-    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "SYSTEM\n\nSUMMARISE" in text and text.endswith("<think>\n\n</think>\n\n")

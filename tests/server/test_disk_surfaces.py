@@ -56,14 +56,14 @@ async def _drained(server) -> dict:
     return (await server.app[CACHE_STATS]())["tiers"]["disk"]
 
 
-async def _journaled(server, event: str, timeout_s: float = 1.0) -> list[dict]:
-    """The disk_cache rows of ``event`` once there is one, waiting at most ``timeout_s`` (the
-    issue's bound for a hit or a failed restore to reach the journal)."""
+async def _journaled(server, event: str, timeout_s: float = 1.0, count: int = 1) -> list[dict]:
+    """The disk_cache rows of ``event`` once there are ``count``, waiting at most ``timeout_s``
+    (the issue's bound for a hit or a failed restore to reach the journal)."""
     async with asyncio.timeout(timeout_s):
         while True:
             rows = [r for r in server.app[JOURNAL].tail(1000)
                     if r.get("task") == "disk_cache" and r.get("event") == event]
-            if rows:
+            if len(rows) >= count:
                 return rows
             await asyncio.sleep(0.02)
 
@@ -129,7 +129,8 @@ async def test_settings_apply_from_the_next_request_and_the_journal_gets_writes_
         assert _source(await _complete(server, sdk, OTHER)) == "cold"
         disk = await _drained(server)
         assert disk["writes"] > 0 and disk["anchors"] == 1, disk  # read once was enough now
-        writes = await _journaled(server, "write")
+        # Every write's row: the journal task moves them in batches, so wait for all of them.
+        writes = await _journaled(server, "write", count=disk["writes"])
     assert len(writes) == disk["writes"]
     _check_event_rows(writes)
     assert max(r["detail"]["tokens"] for r in writes) == disk["top_prefixes"][0]["tokens"]
@@ -183,7 +184,7 @@ async def test_a_clear_of_all_empties_the_disk_the_store_and_the_response_cache(
         got = await _complete(server, sdk, HEAD)
         after_request = (await server.app[CACHE_STATS]())["tiers"]["response"]
     assert body["tier"] == "all"
-    assert body["cleared"] == ["resident", "disk", "store", "response"]
+    assert body["cleared"] == ["resident", "disk", "store", "response", "prepared"]
     assert body["kept"] == []
     assert body["dropped"]["resident"]["rows"] > 0
     assert body["dropped"]["resident"]["resident_nbytes"] > 0
@@ -198,7 +199,8 @@ async def test_a_clear_of_all_empties_the_disk_the_store_and_the_response_cache(
     assert after["response"]["entries"] == 0 and after["response"]["bytes"] == 0
     assert [(r["task"], r["detail"]) for r in clears] == [
         ("resident", body["dropped"]["resident"]), ("disk_cache", body["dropped"]["disk"]),
-        ("store", body["dropped"]["store"]), ("response_cache", body["dropped"]["response"])]
+        ("store", body["dropped"]["store"]), ("response_cache", body["dropped"]["response"]),
+        ("compaction_prepared", {"entries": 0})]
     assert after_request["hits"] == 1  # the same request again went to the engine
 
 
@@ -208,7 +210,7 @@ async def test_a_clear_of_all_without_a_disk_tier_clears_the_rest_and_disk_is_a_
     async with serve(build_app(config, small_loaded)) as server:
         status, body = await _call(server, "POST", "/v1/cache/clear?tier=all", {})
         assert status == 200, body
-        assert body["cleared"] == ["resident", "store"]
+        assert body["cleared"] == ["resident", "store", "prepared"]
         assert body["dropped"]["store"]["entries"] == 0
         status, body = await _call(server, "POST", "/v1/cache/clear?tier=disk", {})
         assert status == 409 and body["error"]["code"] == "tier_off"
