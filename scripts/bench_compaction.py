@@ -11,8 +11,10 @@ forced mode (every answer the recorded one) through an in-process server twice:
   with the rows (its few tokens aside), so the prefill reads it whole;
 - ``continuation``: ``compaction = continue``: the session's rows up to its end anchor, then one
   user turn; the prefill resumes at the end anchor and reads that turn;
-- ``prepared``: the preparer's column (the summary written ahead, answered without the engine);
-  ``-`` until it exists (``prepared_run`` is its hook).
+- ``prepared``: the compaction preparer writes the summary ahead while the server is idle
+  (``--summary-tokens`` of it, with the client's instructions), and the request is answered
+  from it without the engine; then a preparation is started again and a request sent while it
+  runs: the preparer's yield, against one prefill chunk's time at the cold rate.
 
 Printed: the conversation's size, then for each: the compaction's prompt tokens, tokens
 forwarded and TTFT, the turn after it (source, cached), and the ratios cold over continuation.
@@ -72,10 +74,53 @@ async def run(rows: list[dict], config: Any, loaded: Any, mode: str) -> dict:
     return doc
 
 
-def prepared_run(rows: list[dict], config: Any, loaded: Any) -> dict | None:
-    """The compaction preparer's run (the summary written ahead, then the request): the
-    preparer's own work fills it. None: no preparer here."""
-    return None
+async def prepared_run(rows: list[dict], config: Any, loaded: Any, at: int,
+                       summary_tokens: int) -> dict:
+    """The preparer's run, in one server: the session up to its compaction; the client's
+    compaction instructions remembered (as after an earlier compaction of this client: the
+    preparer writes with the last ones a client sent); an idle wait while the preparer writes
+    the summary (``summary_tokens`` of it) at the session's end anchor; then the compaction and
+    the turn after it. Also its yield: a preparation started again and a request sent while it
+    runs; how long the request waited for it to stop (``yield_ms``)."""
+    from tandem.replay.runner import InProcessServer
+    from tandem.server.keys import CACHE_STATS, PREPARED, SUPERVISOR
+    from tandem.server.sessions import hash_session, load_secret
+
+    config = msgspec.structs.replace(
+        config, compaction=CompactionConfig(compaction_idle_s=1.0, compaction_min_tokens=1024),
+        server=msgspec.structs.replace(config.server, allow_forced_output=True))
+    requests = [r for r in rows if "body" in r]
+    body = requests[at]["body"]
+    ask = compaction_request(body["messages"], body.get("tools"))
+    session = requests[at]["headers"]["x-session-id"]
+    async with InProcessServer(config, loaded) as server:
+        app = server.app
+        preparer = app[SUPERVISOR].actors["compaction_preparer"]
+        preparer.max_tokens = summary_tokens
+        url = server.base_url + "/v1"
+        head = await replay(requests[:at], config, mode="forced", url=url, loaded=loaded)
+        prepared = app[PREPARED]
+        client = prepared.agent_client(hash_session(session, load_secret(config.home_path())))
+        prepared.remember_instructions(client, ask.system, ask.instructions)
+
+        async def counter(name: str) -> int:
+            return (await app[CACHE_STATS]())["compaction_preparer"][name]
+
+        t = time.perf_counter()
+        while await counter("finished") < 1:
+            await asyncio.sleep(0.1)
+        written_s = time.perf_counter() - t
+        tail = await replay(requests[at:at + 2], config, mode="forced", url=url, loaded=loaded)
+        # The yield: the summary of the turn after is started, and a request comes.
+        prepared.clear()
+        started = await counter("started")
+        while await counter("started") <= started:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # into its prefill or decode
+        await replay(requests[at + 1:at + 2], config, mode="forced", url=url, loaded=loaded)
+        stats = (await app[CACHE_STATS]())["compaction_preparer"]
+    return {"turns": head["turns"] + tail["turns"], "written_s": written_s,
+            "yield_ms": stats.get("yield_ms_last"), "yielded": stats.get("yielded")}
 
 
 def _row(name: str, turn: dict | None, after: dict | None) -> str:
@@ -91,6 +136,8 @@ def main() -> int:
     parser.add_argument("--turns", type=int, default=5, help="tasks before the compaction")
     parser.add_argument("--steps", type=int, default=3, help="tool calls a task")
     parser.add_argument("--lines", type=int, default=120, help="lines a tool result")
+    parser.add_argument("--summary-tokens", type=int, default=256,
+                        help="tokens the preparer writes of a summary (2,048 in the server)")
     add_config_flags(parser)
     args = parser.parse_args()
     config = load_config(cli_args=args)
@@ -115,7 +162,9 @@ def main() -> int:
                                      loaded, mode))
         print(f"{name}: {docs[name]['wall_s']:.0f} s, errors "
               f"{docs[name]['totals']['errors']}", file=sys.stderr, flush=True)
-    prepared = prepared_run(rows, config, loaded)
+    home = Path(config.home_path()) / "bench-compaction-prepared"
+    prepared = asyncio.run(prepared_run(rows, msgspec.structs.replace(config, home=str(home)),
+                                        loaded, at, args.summary_tokens))
     print("| compaction | prompt tokens | forwarded | TTFT ms | source | the turn after: "
           "source, cached |\n|---|---:|---:|---:|---|---|")
     picked = {}
@@ -128,6 +177,16 @@ def main() -> int:
           f"{cold['reread'] / max(cont['reread'], 1):.1f}x; TTFT cold / continuation: "
           f"{cold['ttft_ms']:.0f} / {cont['ttft_ms']:.0f} ms = "
           f"{cold['ttft_ms'] / max(cont['ttft_ms'], 1e-3):.1f}x")
+    prep = picked["prepared"]
+    chunk = config.engine.prefix_chunk
+    chunk_ms = chunk * cold["ttft_ms"] / max(cold["reread"], 1)  # one chunk at the cold rate
+    print(f"prepared: TTFT {prep['ttft_ms']:.0f} ms, forwarded {prep['reread']} (the summary "
+          f"written in {prepared['written_s']:.1f} s while idle); TTFT cold / prepared "
+          f"{cold['ttft_ms'] / max(prep['ttft_ms'], 1e-3):.0f}x")
+    if prepared["yield_ms"] is not None:
+        print(f"the preparer's yield when a request came: {prepared['yield_ms']:.0f} ms against "
+              f"one {chunk}-token prefill chunk's {chunk_ms:.0f} ms at the cold rate "
+              f"({prepared['yield_ms'] / chunk_ms:.2f} of it)")
     return 0
 
 
