@@ -15,8 +15,9 @@ When an entry is written:
   give it up to the next one); the reason is ``evict`` from ``session_spill_min_tokens``, else
   ``park``, and the write guard weighs both as evictions;
 - a planned stop (`SpillSlots`, after the engine drained): every slot's conversation, reason
-  ``drain``, which the guard always lets through. A parked conversation is on the NVMe already
-  when it had ``session_spill_park_min_tokens`` rows (it was written as it was parked).
+  ``drain``, which the guard always lets through, then the parked conversation when it is not
+  on the NVMe already (one of ``session_spill_park_min_tokens`` rows was written as it was
+  parked).
 
 When one is read: the plan's offer (``spill_offer``) resumes the prompt more than a chunk past
 every tier in RAM and the read costs less than the prefill it saves; the engine thread restores
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 import structlog
@@ -35,7 +37,7 @@ import structlog
 from tandem.actors.engine_messages import SlotsSpilled, SpillRead
 from tandem.actors.runtime import ActorStopped
 from tandem.actors.spill_messages import SpillSave
-from tandem.actors.tier_messages import GenerationEnded, LendSlot
+from tandem.actors.tier_messages import GenerationEnded, LendSlot, OfferTiers
 from tandem.cache.holdings import Resume
 from tandem.cache.namespace import Namespace
 from tandem.io.spill import SpillReadFailed
@@ -46,6 +48,18 @@ log = structlog.get_logger("tandem.spill")
 
 SPILL_SAVE_S = 120.0  # a save's ask: a conversation of the window's rows, with room to spare
 BASES = ("cold", "resident", "end")  # the RAM resumes a spill read goes on from
+
+
+class _ParkedHoldings:
+    """A parked conversation seen as a slot's holdings, for ``slot_entry`` (its anchors, its
+    end; no end record travels with a park here)."""
+
+    def __init__(self, parked: Any) -> None:
+        self.namespace = parked.namespace
+        self.session = parked.session
+        self.anchors = SimpleNamespace(copies=dict(parked.anchors))
+        self.ends = SimpleNamespace(end=parked.end)
+        self.records = None
 
 
 class EngineSpill:
@@ -177,8 +191,8 @@ class EngineSpill:
                   "evict" if len(rows) >= self.spill_min_tokens else "park")
         await self._save_slot(job.slot, holdings, reason, job.request_id)
 
-    async def _save_slot(self, slot: int, holdings: Any, reason: str,
-                         request_id: str) -> str | None:
+    async def _save_slot(self, slot: int, holdings: Any, reason: str, request_id: str,
+                         used_at: float | None = None) -> str | None:
         """One slot's conversation to the spill writer, waited for: what it skipped ("" when
         written, None when there was nothing to write)."""
         engine = self.engines[slot]
@@ -191,7 +205,7 @@ class EngineSpill:
         if entry is None:
             return None
         msg = SpillSave(reason, slot, entry.entry_id, entry.state, entry.valid,
-                        entry.token_ids, entry.anchors, entry.end, entry.meta)
+                        entry.token_ids, entry.anchors, entry.end, entry.meta, used_at)
         t = time.perf_counter()
         try:
             reply = await self.spill_writer.ask(msg, SPILL_SAVE_S, sender=self)
@@ -234,6 +248,7 @@ class EngineSpill:
         if self._jobs or self._lock.holder is not None:
             return SlotsSpilled(busy=True)
         saved, skipped = 0, {}
+        started = time.time()
         for slot in range(self.parallel):
             if self.engines[slot] is None or not self._slot_rows[slot]:
                 continue
@@ -249,9 +264,54 @@ class EngineSpill:
                 saved += 1
             elif why is not None:
                 skipped[why] = skipped.get(why, 0) + 1
+        why = await self._spill_parked(used_at=started - 1.0)
+        if why == "":
+            saved += 1
+        elif why is not None:
+            skipped[why] = skipped.get(why, 0) + 1
         log.info("spill_drain_saved", saved=saved, **{f"skipped_{k}": v for k, v in
                                                       skipped.items()})
         return SlotsSpilled(saved=saved, skipped=skipped)
+
+    async def _spill_parked(self, used_at: float) -> str | None:
+        """The drain's last step: the parked conversation, when the spill does not hold it
+        already (one of ``session_spill_park_min_tokens`` was written as it was parked). Its
+        head is in place in the slot it left; its rows above come back over that slot, whose
+        own conversation the drain wrote already (the process stops next: the slot is left
+        empty), and it is written from there."""
+        slot = self._park_slot
+        if slot is None or self.engines[slot] is None:
+            return None
+        request_id = "spill-drain-park"
+        reply = await self._tiers[1].ask(OfferTiers(request_id, [], self._slot_rows[slot]),
+                                         30.0, sender=self)
+        park = reply.holdings
+        try:
+            parked = park.park.parked
+            if parked is None or len(parked.token_ids) >= max(1, self.spill_park_min_tokens) \
+                    or self._slot_rows[slot][:parked.head] != parked.token_ids[:parked.head]:
+                return None
+            await self._on_thread(self._park_into_slot, slot, parked)
+            self._slot_rows[slot] = list(parked.token_ids)
+            self._slot_taint[slot] = parked.taint
+            held = _ParkedHoldings(parked)
+            try:
+                return await self._save_slot(slot, held, "drain", request_id, used_at)
+            finally:
+                await self._on_thread(self.engines[slot].reset)
+                self._slot_rows[slot], self._slot_taint[slot] = [], None
+        finally:
+            try:
+                self._tiers[1].try_tell(GenerationEnded(request_id, "finished", [], park),
+                                        sender=self)
+            except ActorStopped:
+                pass
+
+    def _park_into_slot(self, slot: int, parked: Any) -> None:
+        """On the engine thread: the parked rows above its head over the slot's rows."""
+        engine = self.engines[slot]
+        parked.rows.restore(engine.cache_state(), parked.head, len(parked.token_ids))
+        engine.resume_at(len(parked.token_ids), parked.token_ids, taint=parked.taint)
 
     async def _read_spill(self) -> SpillRead:
         """The most recent entries back into the empty slots, newest first, before the first

@@ -36,6 +36,9 @@ class SpillSave(Message):
     anchors: dict[int, Any]
     end: Any
     meta: Any
+    # When the conversation was last used (wall seconds; None: now): a parked one written at
+    # the drain is older than the slots' in place, and the next start reads the newest first.
+    used_at: float | None = None
 
 
 class SpillSaved(Message):

@@ -162,7 +162,8 @@ class SpillWriterActor(Actor):
             return SpillSaved(msg.entry_id, "guard")
         try:
             report = self.spill.save(msg.entry_id, msg.state, msg.valid, msg.token_ids,
-                                     msg.anchors, msg.end, msg.meta, writer_ms=writer_ms)
+                                     msg.anchors, msg.end, msg.meta, writer_ms=writer_ms,
+                                     now=msg.used_at)
         except SpillWriteFailed as exc:
             # the spill logged it (spill_write_failed) and deleted what it had written
             self.counters["failures"] += 1

@@ -217,3 +217,32 @@ async def test_a_full_disk_mid_save_costs_the_entry_and_never_the_request(
     async with serve(build_app(cold, small_loaded)) as server:
         want = await _turn(sdk(server), texts["A"], "A")
     assert again.choices[0].text == want.choices[0].text
+
+
+async def test_a_planned_stop_writes_the_parked_conversation_too_and_both_resume_after_it(
+        small_loaded, make_config, serve, sdk):
+    # One slot, no store, and no write as a conversation is parked: only the drain writes.
+    config = _config(make_config, parallel=1, store=False)
+    config = msgspec.structs.replace(config, spill=SpillConfig(
+        session_spill_min_tokens=1 << 20, session_spill_park_min_tokens=1 << 20))
+    texts = {name: SYSTEM + _words(seed, 150) for seed, name in enumerate("AB", 31)}
+    async with serve(build_app(config, small_loaded)) as server:
+        client = sdk(server)
+        for name in "AB":  # B parks A
+            resp = await _turn(client, texts[name], name)
+            texts[name] += resp.choices[0].text + " Go on: " + _words(9, 20)
+        assert server.app[ENGINE].spill_counts["saves"] == 0
+    assert len(_entries(config)) == 2, "the drain wrote the slot's and the parked conversation"
+    async with serve(build_app(config, small_loaded)) as server:
+        client = sdk(server)
+        # B was in place: it comes back into the slot; A is read back at its turn.
+        b = await _turn(client, texts["B"], "B")
+        a = await _turn(client, texts["A"], "A")
+    assert _cache(b)["source"] == "end", _cache(b)
+    assert _cache(a)["source"] == "spill", _cache(a)
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False),
+                                   home=config.home + "-cold")
+    async with serve(build_app(cold, small_loaded)) as server:
+        want = {name: await _turn(sdk(server), texts[name], name) for name in "AB"}
+    assert a.choices[0].text == want["A"].choices[0].text
+    assert b.choices[0].text == want["B"].choices[0].text
