@@ -1685,7 +1685,7 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
             try:
                 if plan is not None:
                     planner.settle(put, verdict or "refused", committed)
-                planner.check_invariants(alone=len(self._runs) == 1)
+                planner.check_invariants(alone=self._alone(job))
                 if ends is not None and not resume.guest:
                     ends.remember(served, result.token_ids, _hidden(budget, result.token_ids))
             except BaseException:
@@ -1698,6 +1698,13 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
             return complete(None)
         verdict = yield _AskStore(put)
         return complete(verdict)
+
+    def _alone(self, job: _Job) -> bool:
+        """On the engine thread: no other generation runs here, and none is being planned on
+        the loop (its plan reserves the store's rooms before its run reaches this thread; the
+        loop sets ``_prefilling`` before it starts a plan)."""
+        planning = self._prefilling
+        return len(self._runs) == 1 and (planning is None or planning is job)
 
     def _restore_disk(self, job: _Job, plan: PrefillPlan, served: Sequence[int],
                       resume: Resume) -> Resume:
