@@ -41,11 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_setup import bench_config  # noqa: E402
 from make_sessions import opencode_session  # noqa: E402
 
-from tandem.config import CompactionConfig, add_config_flags, load_config  # noqa: E402
-from tandem.logs import configure_logging  # noqa: E402
-from tandem.models import load_model  # noqa: E402
+from tandem.config import CompactionConfig  # noqa: E402
 from tandem.models.chat import encode_chat  # noqa: E402
 from tandem.replay.main import replay  # noqa: E402
 from tandem.server.compaction import compaction_request  # noqa: E402
@@ -138,14 +137,7 @@ def main() -> int:
     parser.add_argument("--lines", type=int, default=120, help="lines a tool result")
     parser.add_argument("--summary-tokens", type=int, default=256,
                         help="tokens the preparer writes of a summary (2,048 in the server)")
-    add_config_flags(parser)
-    args = parser.parse_args()
-    config = load_config(cli_args=args)
-    # Without the suffix store: one that saw these answers would draft them (spec).
-    config = msgspec.structs.replace(config, speculation=msgspec.structs.replace(
-        config.speculation, suffix_store=False))
-    configure_logging(args.log_level or "warning")
-    loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+    args, config, loaded = bench_config(parser)
     rows = session_rows(args.turns, args.steps, args.lines)
     at = compaction_index(rows)
     requests = [r for r in rows if "body" in r]

@@ -15,14 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from tandem.config import add_config_flags, load_config  # noqa: E402
-from tandem.logs import configure_logging  # noqa: E402
-from tandem.models import load_model  # noqa: E402
+from bench_setup import bench_config  # noqa: E402
+
 from tandem.replay.main import replay  # noqa: E402
 from tandem.replay.record import read_rows  # noqa: E402
 from tandem.replay.runner import ratio  # noqa: E402
@@ -32,15 +30,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=None,
                         help="a session file name (repeatable); default: all of sessions/")
-    add_config_flags(parser)
-    args = parser.parse_args()
-    config = load_config(cli_args=args)
-    # Benchmarks run without the suffix store: one that has seen these sessions (a former run,
-    # real traffic) would draft their answers and inflate the figures (spec).
-    config = msgspec.structs.replace(config, speculation=msgspec.structs.replace(
-        config.speculation, suffix_store=False))
-    configure_logging(args.log_level or "warning")
-    loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+    args, config, loaded = bench_config(parser)
     files = sorted(p for p in (ROOT / "sessions").iterdir()
                    if p.name.endswith((".jsonl", ".jsonl.gz")))
     if args.only:

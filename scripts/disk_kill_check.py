@@ -41,23 +41,16 @@ Prints a summary and exits 1 on any failure (each named, with its run and seed).
 
 from __future__ import annotations
 
-import argparse
 import mmap
-import os
 import random
-import select
-import signal
 import sys
-import tempfile
 import time
-import traceback
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 _REPO = Path(__file__).resolve().parents[1]
-for _p in (str(_REPO), str(_REPO / "tests")):
+for _p in (str(_REPO), str(_REPO / "tests"), str(_REPO / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -74,6 +67,9 @@ from tandem.io.fingerprint import Identity  # noqa: E402
 from tandem.io.tier import DiskTier, HostRows, _file_nbytes, host_rows  # noqa: E402
 from tandem.io.tierfile import TierFileError, TierFiles  # noqa: E402
 
+import kill_harness  # noqa: E402
+from kill_harness import SHM_PHASE, Harness, Killed, phased  # noqa: E402
+
 GRID = 64
 WINDOW = 512
 FP = "5e" * 32
@@ -83,15 +79,13 @@ HOOKED = ("open", "mkdir", "fchmod", "pwrite", "write", "fsync", "rename", "unli
 # How often each target is drawn, and how many of its calls may pass before the kill.
 TARGET_WEIGHTS = {"write": 5, "rename": 1, "counts": 1, "start": 1, "drift": 2}
 SKIP_MAX = {"write": 160, "rename": 12, "counts": 9, "start": 40, "drift": 240}
-DRIFT_MAX_S = 0.004
-MAX_CALLS = 20_000  # a target never reached: killed anyway, counted as "missed"
-CHILD_TIMEOUT_S = 30.0
 
 # The child's phase, in the shared page: what it was doing when it died.
 IDLE, START, WRITE, COUNTS_WRITE, DELETE = 0, 1, 2, 3, 4
 PHASES = {IDLE: "between files", START: "start scan", WRITE: "tier file write",
           COUNTS_WRITE: "counts write", DELETE: "delete"}
-_FREE, _PHASE, _OP, _EVICTED = 0, 1, 2, 3  # bytes of the shared page
+_EVICTED = 3  # the check's byte of the shared page, after the harness's
+HARNESS = Harness(HOOKED, TARGET_WEIGHTS, SKIP_MAX, PHASES, "writer")
 
 
 # -- the reference ----------------------------------------------------------------------------
@@ -195,95 +189,42 @@ def _forced_plan(p: Prompt, rng: random.Random) -> DiskPlan:
 
 
 def _child(root: Path, ref: Reference, seed: int, budget_nbytes: int, shm: mmap.mmap,
-           ctl_r: int, ann_w: int, err_path: Path,
-           writer_fault: Callable[[], None] | None) -> None:
-    """Never returns: writes until killed (or exits 3 with its traceback at ``err_path``)."""
-    try:
-        if writer_fault is not None:
-            writer_fault()
-        torch.set_num_threads(1)  # forked after the parent's threads: stay on this one
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        real = {name: getattr(os, name) for name in HOOKED + ("read",)}
-        write, read = real["write"], real["read"]
-        ops = {name: i for i, name in enumerate(HOOKED)}
+           started: Callable[[], None]) -> None:
+    """Writes until killed, stepped (``Harness.kill``)."""
+    TierFiles._write = phased(shm, WRITE, TierFiles._write)
+    real_discard = TierFiles.discard
 
-        def step(name: str) -> None:
-            if shm[_FREE]:
-                return
-            shm[_OP] = ops[name]
-            write(ann_w, b"o")
-            if read(ctl_r, 1) == b"f":
-                shm[_FREE] = 1
+    def discard(self, kind, key):
+        if shm[SHM_PHASE] != START:
+            shm[_EVICTED] = 1  # an eviction (the child never fails a restore)
+        return phased(shm, DELETE, real_discard)(self, kind, key)
 
-        def hook(name: str) -> Callable[..., Any]:
-            fn = real[name]
+    TierFiles.discard = discard
+    tier_module.write_atomic = phased(shm, COUNTS_WRITE, admission_module.write_atomic)
 
-            def hooked(*args, **kwargs):
-                if not (name == "write" and args and args[0] == ann_w) and \
-                        not (name == "close" and args and args[0] in (ann_w, ctl_r)):
-                    step(name)
-                return fn(*args, **kwargs)
-            return hooked
-
-        def phase(which: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(*args, **kwargs):
-                before = shm[_PHASE]
-                shm[_PHASE] = which
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    shm[_PHASE] = before
-            return wrapped
-
-        for name in HOOKED:
-            setattr(os, name, hook(name))
-        TierFiles._write = phase(WRITE, TierFiles._write)
-        real_discard = TierFiles.discard
-
-        def discard(self, kind, key):
-            if shm[_PHASE] != START:
-                shm[_EVICTED] = 1  # an eviction (the child never fails a restore)
-            return phase(DELETE, real_discard)(self, kind, key)
-
-        TierFiles.discard = discard
-        tier_module.write_atomic = phase(COUNTS_WRITE, admission_module.write_atomic)
-
-        shm[_PHASE] = START
-        tier = open_tier(root, budget_nbytes)
-        shm[_PHASE] = IDLE
-        write(ann_w, b"s")
-        rng = random.Random(seed)
-        while True:
-            p = rng.choice(ref.prompts)
-            plan = DiskPlan(GRID)
-            if rng.random() < 0.5:
-                plan = tier.plan(p.ids, p.namespace, start=0, taint=None,
-                                 first_of_session=True, last_user_start=len(p.ids))
-            if plan.empty:
-                plan = _forced_plan(p, rng)
-                tier.admission.pending.update(plan.entries())
-            tier.write_entries(plan, p.ids, {b: p.staged[b] for b in plan.anchor_lines},
-                               {b: p.rows[b] for b in plan.chunk_lines})
-    except BaseException:
-        try:
-            err_path.write_text(traceback.format_exc())
-        finally:
-            os._exit(3)
+    shm[SHM_PHASE] = START
+    tier = open_tier(root, budget_nbytes)
+    shm[SHM_PHASE] = IDLE
+    started()
+    rng = random.Random(seed)
+    while True:
+        p = rng.choice(ref.prompts)
+        plan = DiskPlan(GRID)
+        if rng.random() < 0.5:
+            plan = tier.plan(p.ids, p.namespace, start=0, taint=None,
+                             first_of_session=True, last_user_start=len(p.ids))
+        if plan.empty:
+            plan = _forced_plan(p, rng)
+            tier.admission.pending.update(plan.entries())
+        tier.write_entries(plan, p.ids, {b: p.staged[b] for b in plan.anchor_lines},
+                           {b: p.rows[b] for b in plan.chunk_lines})
 
 
 # -- the driver -------------------------------------------------------------------------------
 
 @dataclass
-class Summary:
-    runs: int = 0
-    kills: int = 0
+class Summary(kill_harness.Summary):
     mid_write: int = 0  # killed inside a tier file's or the counts file's write
-    targets: Counter = field(default_factory=Counter)
-    phases: Counter = field(default_factory=Counter)
-    before_call: Counter = field(default_factory=Counter)  # a stepped kill: the call not made
-    missed: int = 0
     leftovers_seen: int = 0  # .tmp files the kill left
     leftovers_swept: int = 0  # the ones the start deleted
     chunks_verified: int = 0
@@ -293,15 +234,10 @@ class Summary:
     unusable_anchors: int = 0
     evictions_seen: bool = False
     runs_evicting: int = 0
-    failures: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
-    def lines(self) -> list[str]:
-        def counted(c: Counter) -> str:
-            return ", ".join(f"{k} {n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
+    def detail_lines(self) -> list[str]:
+        counted = kill_harness.counted
         return [
-            f"runs {self.runs}, kills {self.kills} ({counted(self.targets)}), "
-            f"targets missed {self.missed}",
             f"kills mid-write {self.mid_write}; phase at the kill: {counted(self.phases)}",
             f"stepped kills before: {counted(self.before_call)}",
             f"leftovers seen after a kill {self.leftovers_seen}, swept by the start "
@@ -311,9 +247,6 @@ class Summary:
             f"{self.restores}, logits gates {self.logits_gates}; anchors left without a chunk "
             f"(after evictions) {self.unusable_anchors}; runs whose writer evicted "
             f"{self.runs_evicting}",
-            f"failures {len(self.failures)}",
-            *[f"  FAIL {f}" for f in self.failures[:40]],
-            f"{self.seconds:.1f} s",
         ]
 
 
@@ -321,93 +254,29 @@ def _tmp_files(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith(TMP))
 
 
-def _wait_tag(fd: int, pid: int) -> bytes:
-    r, _, _ = select.select([fd], [], [], CHILD_TIMEOUT_S)
-    if not r:
-        raise TimeoutError("the child went quiet")
-    tag = os.read(fd, 1)
-    if not tag:
-        raise EOFError("the child exited")
-    return tag
-
-
 def kill_one(root: Path, ref: Reference, rng: random.Random, summary: Summary,
              target: str | None = None,
-             writer_fault: Callable[[], None] | None = None) -> str:
-    """Fork a writer over ``root``, kill it at a point of ``target`` (drawn when None); the
-    target. Raises when the child failed on its own."""
-    target = target or rng.choices(list(TARGET_WEIGHTS), list(TARGET_WEIGHTS.values()))[0]
-    skip = rng.randint(0, SKIP_MAX[target])
+             writer_fault: Callable[[], None] | None = None) -> Killed:
+    """Fork a writer over ``root``, kill it at a point of ``target`` (drawn when None). Raises
+    ``ChildFailed`` when the child failed on its own."""
+    target, skip = HARNESS.draw(rng, target)
     tight = rng.random() < 1 / 3
     budget = int(ref.entry_nbytes * rng.uniform(0.3, 0.7)) if tight else 1 << 40
     seed = rng.getrandbits(32)
     shm = mmap.mmap(-1, mmap.PAGESIZE)
-    ctl_r, ctl_w = os.pipe()
-    ann_r, ann_w = os.pipe()
-    err_path = root.parent / f"{root.name}.child-error"
-    err_path.unlink(missing_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(ctl_w)
-        os.close(ann_r)
-        _child(root, ref, seed, budget, shm, ctl_r, ann_w, err_path, writer_fault)
-    os.close(ctl_r)
-    os.close(ann_w)
-    killed_before: str | None = None
-    started = False
-    try:
-        calls = 0
-        while True:
-            tag = _wait_tag(ann_r, pid)
-            if tag == b"s":
-                started = True
-                continue
-            calls += 1
-            at = shm[_PHASE]
-            hit = {"write": at == WRITE, "counts": at == COUNTS_WRITE, "start": at == START,
-                   "rename": at == WRITE and HOOKED[shm[_OP]] == "rename",
-                   "drift": started}[target]
-            if hit or calls >= MAX_CALLS:
-                if not hit:
-                    summary.missed += 1
-                if skip == 0 or not hit:
-                    break
-                skip -= 1
-            os.write(ctl_w, b"g")
-        if target == "drift":
-            os.write(ctl_w, b"f")
-            time.sleep(rng.uniform(0.0, DRIFT_MAX_S))
-        else:
-            killed_before = HOOKED[shm[_OP]]
-        os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    except (TimeoutError, EOFError) as exc:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        detail = err_path.read_text() if err_path.exists() else str(exc)
-        raise RuntimeError(f"the writer failed on its own: {detail}") from None
-    finally:
-        os.close(ctl_w)
-        os.close(ann_r)
-    if not os.WIFSIGNALED(status) or os.WTERMSIG(status) != signal.SIGKILL:
-        detail = err_path.read_text() if err_path.exists() else f"status {status}"
-        raise RuntimeError(f"the writer was not killed: {detail}")
-    summary.kills += 1
-    summary.targets[target] += 1
-    died = shm[_PHASE]
-    summary.phases[PHASES[died]] += 1
+
+    def hit(at: int, op: str, started: bool) -> bool:
+        return {"write": at == WRITE, "counts": at == COUNTS_WRITE, "start": at == START,
+                "rename": at == WRITE and op == "rename", "drift": started}[target]
+
+    HARNESS.kill(root, shm, rng, summary, target, skip, hit,
+                 lambda started: _child(root, ref, seed, budget, shm, started), writer_fault)
+    died = shm[SHM_PHASE]
     summary.mid_write += died in (WRITE, COUNTS_WRITE)
-    if killed_before is not None:
-        summary.before_call[killed_before] += 1
     summary.evictions_seen |= bool(shm[_EVICTED])
     summary.runs_evicting += shm[_EVICTED]
     shm.close()
-    return target
+    return Killed(target)
 
 
 def check_folder(root: Path, ref: Reference, model, rng: random.Random,
@@ -508,15 +377,6 @@ def _restore(tier: DiskTier, model, p: Prompt, b: int, *, logits: bool,
     return bad
 
 
-def load_model(kind: str, scratch: Path):
-    if kind == "third":
-        from tandem.models.third import ThirdModel
-        return ThirdModel()
-    from small_hybrid import make_small_hybrid
-    from tandem.models.hybrid import HybridModel
-    return HybridModel.load(make_small_hybrid(scratch / "small", tokenizer=False))
-
-
 def run_check(root: Path, runs: int, seed: int, model, *,
               targets: list[str] | None = None,
               progress: Callable[[int, Summary], None] | None = None,
@@ -529,46 +389,17 @@ def run_check(root: Path, runs: int, seed: int, model, *,
     ref = make_reference(model)
     root.mkdir(parents=True, exist_ok=True)
     summary = Summary()
-    for run in range(runs):
-        target = targets[run % len(targets)] if targets else None
-        summary.runs += 1
-        try:
-            target = kill_one(root, ref, rng, summary, target, writer_fault)
-        except RuntimeError as exc:
-            summary.failures.append(f"run {run} (seed {seed}): {exc}")
-            continue
-        for failure in check_folder(root, ref, model, rng, summary):
-            summary.failures.append(f"run {run} (seed {seed}, {target}): {failure}")
-        if progress:
-            progress(run, summary)
+    kill_harness.run_kills(
+        summary, runs, seed, lambda target: kill_one(root, ref, rng, summary, target, writer_fault),
+        lambda killed: check_folder(root, ref, model, rng, summary), targets=targets,
+        progress=progress)
     summary.seconds = time.perf_counter() - t0
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", choices=["third", "hybrid"], default="third")
-    ap.add_argument("--root", type=Path, default=None,
-                    help="the tier's folder (default: a new temporary one, removed after)")
-    args = ap.parse_args(argv)
-    import logging
-
-    import structlog
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="disk-kill-") as scratch:
-        root = args.root or Path(scratch) / "tier"
-        model = load_model(args.model, Path(scratch))
-
-        def progress(run: int, s: Summary) -> None:
-            if (run + 1) % 25 == 0:
-                print(f"  {run + 1} runs, {len(s.failures)} failures", flush=True)
-
-        summary = run_check(root, args.runs, args.seed, model, progress=progress)
-    print("\n".join(summary.lines()))
-    return 1 if summary.failures else 0
+    return kill_harness.main(argv, __doc__, run_check, what="tier", prefix="disk-kill-",
+                             folder="tier")
 
 
 if __name__ == "__main__":

@@ -39,24 +39,17 @@ Prints a summary and exits 1 on any failure (each named, with its run and seed).
 
 from __future__ import annotations
 
-import argparse
 import mmap
-import os
 import random
-import select
-import signal
 import sys
-import tempfile
-import threading
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 _REPO = Path(__file__).resolve().parents[1]
-for _p in (str(_REPO), str(_REPO / "tests")):
+for _p in (str(_REPO), str(_REPO / "tests"), str(_REPO / "scripts")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
@@ -70,6 +63,9 @@ from tandem.io.spill import (MANIFEST, EntryMeta, SessionSpill, SpillEnd, SpillE
                              session_digest)
 from tandem.models.base import CacheState, View  # noqa: E402
 
+import kill_harness  # noqa: E402
+from kill_harness import SHM_PHASE, Harness, phased  # noqa: E402
+
 GRID = 64
 WINDOW = 512
 FP = "5f" * 32
@@ -78,18 +74,16 @@ HOOKED = ("open", "mkdir", "pwrite", "write", "fsync", "rename", "unlink", "rmdi
 # How often each target is drawn, and how many of its calls may pass before the kill.
 TARGET_WEIGHTS = {"save": 5, "manifest": 1, "landed": 1, "delete": 1, "start": 1, "drift": 2}
 SKIP_MAX = {"save": 120, "manifest": 6, "landed": 3, "delete": 12, "start": 30, "drift": 200}
-DRIFT_MAX_S = 0.004
-MAX_CALLS = 20_000  # a target never reached: killed anyway, counted as "missed"
-CHILD_TIMEOUT_S = 30.0
 NONE = 255  # a conversation without an entry, or no operation in flight
 
 # The child's phase, in the shared page: what it was doing when it died.
 IDLE, START, SAVE, DELETE = 0, 1, 2, 3
 PHASES = {IDLE: "between saves", START: "start scan", SAVE: "save", DELETE: "delete"}
-# bytes of the shared page: the phase, the call announced, the operation in flight (its
+# the check's bytes of the shared page, after the harness's: the operation in flight (its
 # conversation and version, NONE for a delete), and each conversation's version from _DONE on
-_FREE, _PHASE, _OP, _BUSY_CONV, _BUSY_VERSION, _EVICTED = 0, 1, 2, 3, 4, 5
+_BUSY_CONV, _BUSY_VERSION, _EVICTED = 3, 4, 5
 _DONE = 16
+HARNESS = Harness(HOOKED, TARGET_WEIGHTS, SKIP_MAX, PHASES, "saver")
 
 
 # -- the reference ----------------------------------------------------------------------------
@@ -208,123 +202,63 @@ def save(spill: SessionSpill, conv: Conversation, ver: Version):
 # -- the child --------------------------------------------------------------------------------
 
 def _child(root: Path, ref: list[Conversation], seed: int, budget_nbytes: int, shm: mmap.mmap,
-           ctl_r: int, ann_w: int, err_path: Path,
-           writer_fault: Callable[[], None] | None) -> None:
-    """Never returns: saves until killed (or exits 3 with its traceback at ``err_path``)."""
-    try:
-        if writer_fault is not None:
-            writer_fault()
-        torch.set_num_threads(1)  # forked after the parent's threads: stay on this one
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.dup2(devnull, 2)
-        real = {name: getattr(os, name) for name in HOOKED + ("read",)}
-        write, read = real["write"], real["read"]
-        ops = {name: i for i, name in enumerate(HOOKED)}
-        stepping = threading.Lock()  # the spill's I/O thread steps too: one call at a time
+           started: Callable[[], None]) -> None:
+    """Saves until killed, stepped (``Harness.kill``)."""
+    SessionSpill.save = phased(shm, SAVE, SessionSpill.save)
+    real_remove = SessionSpill._remove
 
-        def step(name: str) -> None:
-            if shm[_FREE]:
-                return
-            with stepping:
-                shm[_OP] = ops[name]
-                write(ann_w, b"o")
-                if read(ctl_r, 1) == b"f":
-                    shm[_FREE] = 1
+    def remove(self, eid):
+        if shm[SHM_PHASE] == SAVE:
+            shm[_EVICTED] = 1  # an eviction, or a failed save's cleanup
+        return phased(shm, DELETE, real_remove)(self, eid)
 
-        def hook(name: str) -> Callable[..., Any]:
-            fn = real[name]
+    SessionSpill._remove = remove
 
-            def hooked(*args, **kwargs):
-                if not (name == "write" and args and args[0] == ann_w) and \
-                        not (name == "close" and args and args[0] in (ann_w, ctl_r)):
-                    step(name)
-                return fn(*args, **kwargs)
-            return hooked
-
-        def phase(which: int, fn: Callable[..., Any]) -> Callable[..., Any]:
-            def wrapped(*args, **kwargs):
-                before = shm[_PHASE]
-                shm[_PHASE] = which
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    shm[_PHASE] = before
-            return wrapped
-
-        for name in HOOKED:
-            setattr(os, name, hook(name))
-        SessionSpill.save = phase(SAVE, SessionSpill.save)
-        real_remove = SessionSpill._remove
-
-        def remove(self, eid):
-            if shm[_PHASE] == SAVE:
-                shm[_EVICTED] = 1  # an eviction, or a failed save's cleanup
-            return phase(DELETE, real_remove)(self, eid)
-
-        SessionSpill._remove = remove
-
-        shm[_PHASE] = START
-        spill = open_spill(root, budget_nbytes)
-        shm[_PHASE] = IDLE
-        # What the start kept: the versions the driver checked after the last kill (those it
-        # dropped were never complete saves of this process).
-        listed = set(spill.entries())
-        for c, conv in enumerate(ref):
-            if conv.entry_id not in listed:
-                shm[_DONE + c] = NONE
-        write(ann_w, b"s")
-        rng = random.Random(seed)
-        while True:
-            c = rng.randrange(len(ref))
-            conv = ref[c]
-            if rng.random() < 0.1:
-                shm[_BUSY_CONV], shm[_BUSY_VERSION] = c, NONE
-                spill.delete(conv.entry_id)
-                shm[_DONE + c] = NONE
-            else:
-                ver = rng.choice(conv.versions)
-                shm[_BUSY_CONV], shm[_BUSY_VERSION] = c, ver.index
-                report = save(spill, conv, ver)
-                if report.skipped != "budget":
-                    shm[_DONE + c] = ver.index
-            # every other conversation a save evicted has no entry now
-            for k, other in enumerate(ref):
-                if k != c and other.entry_id not in spill.entries():
-                    shm[_DONE + k] = NONE
-            shm[_BUSY_CONV] = NONE
-    except BaseException:
-        try:
-            err_path.write_text(traceback.format_exc())
-        finally:
-            os._exit(3)
+    shm[SHM_PHASE] = START
+    spill = open_spill(root, budget_nbytes)
+    shm[SHM_PHASE] = IDLE
+    # What the start kept: the versions the driver checked after the last kill (those it
+    # dropped were never complete saves of this process).
+    listed = set(spill.entries())
+    for c, conv in enumerate(ref):
+        if conv.entry_id not in listed:
+            shm[_DONE + c] = NONE
+    started()
+    rng = random.Random(seed)
+    while True:
+        c = rng.randrange(len(ref))
+        conv = ref[c]
+        if rng.random() < 0.1:
+            shm[_BUSY_CONV], shm[_BUSY_VERSION] = c, NONE
+            spill.delete(conv.entry_id)
+            shm[_DONE + c] = NONE
+        else:
+            ver = rng.choice(conv.versions)
+            shm[_BUSY_CONV], shm[_BUSY_VERSION] = c, ver.index
+            report = save(spill, conv, ver)
+            if report.skipped != "budget":
+                shm[_DONE + c] = ver.index
+        # every other conversation a save evicted has no entry now
+        for k, other in enumerate(ref):
+            if k != c and other.entry_id not in spill.entries():
+                shm[_DONE + k] = NONE
+        shm[_BUSY_CONV] = NONE
 
 
 # -- the driver -------------------------------------------------------------------------------
 
 @dataclass
-class Summary:
-    runs: int = 0
-    kills: int = 0
-    targets: Counter = field(default_factory=Counter)
-    phases: Counter = field(default_factory=Counter)
-    before_call: Counter = field(default_factory=Counter)  # a stepped kill: the call not made
-    missed: int = 0
+class Summary(kill_harness.Summary):
     dropped: Counter = field(default_factory=Counter)  # what each start deleted, by why
     entries_verified: int = 0
     in_flight_served: int = 0  # an entry whose save the kill cut after its manifest landed
     versions_seen: Counter = field(default_factory=Counter)
     absent_allowed: int = 0  # a conversation whose last save's entry was gone (cut or evicted)
     runs_evicting: int = 0
-    failures: list[str] = field(default_factory=list)
-    seconds: float = 0.0
 
-    def lines(self) -> list[str]:
-        def counted(c: Counter) -> str:
-            return ", ".join(f"{k} {n}" for k, n in sorted(c.items(), key=lambda kv: -kv[1]))
+    def detail_lines(self) -> list[str]:
+        counted = kill_harness.counted
         return [
-            f"runs {self.runs}, kills {self.kills} ({counted(self.targets)}), "
-            f"targets missed {self.missed}",
             f"phase at the kill: {counted(self.phases)}",
             f"stepped kills before: {counted(self.before_call)}",
             f"dropped by the starts: {counted(self.dropped) or 'nothing'}",
@@ -332,25 +266,11 @@ class Summary:
             f"{counted(self.versions_seen)}); the save in flight served {self.in_flight_served}; "
             f"entries absent where one was allowed {self.absent_allowed}; runs whose saves "
             f"evicted {self.runs_evicting}",
-            f"failures {len(self.failures)}",
-            *[f"  FAIL {f}" for f in self.failures[:40]],
-            f"{self.seconds:.1f} s",
         ]
 
 
-def _wait_tag(fd: int) -> bytes:
-    r, _, _ = select.select([fd], [], [], CHILD_TIMEOUT_S)
-    if not r:
-        raise TimeoutError("the child went quiet")
-    tag = os.read(fd, 1)
-    if not tag:
-        raise EOFError("the child exited")
-    return tag
-
-
 @dataclass
-class Killed:
-    target: str
+class Killed(kill_harness.Killed):
     done: list[int]  # each conversation's version after its last complete operation
     busy: tuple[int, int] | None  # the operation in flight: conversation, version (NONE: delete)
 
@@ -360,9 +280,8 @@ def kill_one(root: Path, ref: list[Conversation], done: list[int], rng: random.R
              writer_fault: Callable[[], None] | None = None) -> Killed:
     """Fork a saver over ``root``, kill it at a point of ``target`` (drawn when None).
     ``done``: each conversation's version as the last check found it. Raises when the child
-    failed on its own."""
-    target = target or rng.choices(list(TARGET_WEIGHTS), list(TARGET_WEIGHTS.values()))[0]
-    skip = rng.randint(0, SKIP_MAX[target])
+    failed on its own (``ChildFailed``)."""
+    target, skip = HARNESS.draw(rng, target)
     tight = rng.random() < 1 / 3
     budget = int(max(entry_nbytes(c) for c in ref) * rng.uniform(1.1, 1.9)) if tight else 1 << 40
     seed = rng.getrandbits(32)
@@ -370,74 +289,23 @@ def kill_one(root: Path, ref: list[Conversation], done: list[int], rng: random.R
     for c, v in enumerate(done):
         shm[_DONE + c] = v
     shm[_BUSY_CONV] = NONE
-    ctl_r, ctl_w = os.pipe()
-    ann_r, ann_w = os.pipe()
-    err_path = root.parent / f"{root.name}.child-error"
-    err_path.unlink(missing_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        os.close(ctl_w)
-        os.close(ann_r)
-        _child(root, ref, seed, budget, shm, ctl_r, ann_w, err_path, writer_fault)
-    os.close(ctl_r)
-    os.close(ann_w)
-    killed_before: str | None = None
-    started = False
-    try:
-        calls = 0
-        was_hit = False
-        after_rename = False
-        while True:
-            tag = _wait_tag(ann_r)
-            if tag == b"s":
-                started = True
-                continue
-            calls += 1
-            at = shm[_PHASE]
-            op = HOOKED[shm[_OP]]
-            hit = {"save": at == SAVE, "start": at == START,
-                   "manifest": at == SAVE and op == "rename",
-                   "landed": at == SAVE and after_rename,
-                   "delete": at == DELETE and started, "drift": started}[target]
-            after_rename = at == SAVE and op == "rename"
-            if target == "start" and was_hit and not hit:
-                break  # the scan ended before the skip ran out: killed just after it
-            was_hit |= hit
-            if hit or calls >= MAX_CALLS:
-                if not hit:
-                    summary.missed += 1
-                if skip == 0 or not hit:
-                    break
-                skip -= 1
-            os.write(ctl_w, b"g")
-        if target == "drift":
-            os.write(ctl_w, b"f")
-            time.sleep(rng.uniform(0.0, DRIFT_MAX_S))
-        else:
-            killed_before = HOOKED[shm[_OP]]
-        os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-    except (TimeoutError, EOFError) as exc:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-        detail = err_path.read_text() if err_path.exists() else str(exc)
-        raise RuntimeError(f"the saver failed on its own: {detail}") from None
-    finally:
-        os.close(ctl_w)
-        os.close(ann_r)
-    if not os.WIFSIGNALED(status) or os.WTERMSIG(status) != signal.SIGKILL:
-        detail = err_path.read_text() if err_path.exists() else f"status {status}"
-        raise RuntimeError(f"the saver was not killed: {detail}")
-    summary.kills += 1
-    summary.targets[target] += 1
-    summary.phases[PHASES[shm[_PHASE]]] += 1
-    if killed_before is not None:
-        summary.before_call[killed_before] += 1
+    was_hit = False
+    after_rename = False
+
+    def hit(at: int, op: str, started: bool) -> bool | None:
+        nonlocal was_hit, after_rename
+        on = {"save": at == SAVE, "start": at == START,
+              "manifest": at == SAVE and op == "rename",
+              "landed": at == SAVE and after_rename,
+              "delete": at == DELETE and started, "drift": started}[target]
+        after_rename = at == SAVE and op == "rename"
+        if target == "start" and was_hit and not on:
+            return None  # the scan ended before the skip ran out: killed just after it
+        was_hit |= on
+        return on
+
+    HARNESS.kill(root, shm, rng, summary, target, skip, hit,
+                 lambda started: _child(root, ref, seed, budget, shm, started), writer_fault)
     summary.runs_evicting += shm[_EVICTED]
     out = Killed(target, [shm[_DONE + c] for c in range(len(ref))],
                  None if shm[_BUSY_CONV] == NONE else (shm[_BUSY_CONV], shm[_BUSY_VERSION]))
@@ -522,15 +390,6 @@ def _restore(spill: SessionSpill, model, conv: Conversation, ver: Version) -> li
     return bad
 
 
-def load_model(kind: str, scratch: Path):
-    if kind == "third":
-        from tandem.models.third import ThirdModel
-        return ThirdModel()
-    from small_hybrid import make_small_hybrid
-    from tandem.models.hybrid import HybridModel
-    return HybridModel.load(make_small_hybrid(scratch / "small", tokenizer=False))
-
-
 def run_check(root: Path, runs: int, seed: int, model, *,
               targets: list[str] | None = None,
               progress: Callable[[int, Summary], None] | None = None,
@@ -544,47 +403,23 @@ def run_check(root: Path, runs: int, seed: int, model, *,
     root.mkdir(parents=True, exist_ok=True)
     summary = Summary()
     done = [NONE] * len(ref)
-    for run in range(runs):
-        target = targets[run % len(targets)] if targets else None
-        summary.runs += 1
-        try:
-            killed = kill_one(root, ref, done, rng, summary, target, writer_fault)
-        except RuntimeError as exc:
-            summary.failures.append(f"run {run} (seed {seed}): {exc}")
-            continue
+
+    def check(killed: Killed) -> list[str]:
+        nonlocal done
         failures, done = check_folder(root, ref, model, killed, summary)
-        for failure in failures:
-            summary.failures.append(f"run {run} (seed {seed}, {killed.target}): {failure}")
-        if progress:
-            progress(run, summary)
+        return failures
+
+    kill_harness.run_kills(
+        summary, runs, seed,
+        lambda target: kill_one(root, ref, done, rng, summary, target, writer_fault), check,
+        targets=targets, progress=progress)
     summary.seconds = time.perf_counter() - t0
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", choices=["third", "hybrid"], default="third")
-    ap.add_argument("--root", type=Path, default=None,
-                    help="the spill's folder (default: a new temporary one, removed after)")
-    args = ap.parse_args(argv)
-    import logging
-
-    import structlog
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="spill-kill-") as scratch:
-        root = args.root or Path(scratch) / "sessions"
-        model = load_model(args.model, Path(scratch))
-
-        def progress(run: int, s: Summary) -> None:
-            if (run + 1) % 25 == 0:
-                print(f"  {run + 1} runs, {len(s.failures)} failures", flush=True)
-
-        summary = run_check(root, args.runs, args.seed, model, progress=progress)
-    print("\n".join(summary.lines()))
-    return 1 if summary.failures else 0
+    return kill_harness.main(argv, __doc__, run_check, what="spill", prefix="spill-kill-",
+                             folder="sessions")
 
 
 if __name__ == "__main__":
