@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -148,13 +149,14 @@ def main() -> int:
           f"({args.turns} tasks of {args.steps} tool calls, results of {args.lines} lines)\n")
     docs = {}
     for mode, name in (("client", "cold"), ("continue", "continuation")):
-        # Each in a home of its own: the spill would bring one run's conversation to the next.
-        home = Path(config.home_path()) / f"bench-compaction-{name}"
+        # Each in a fresh home of its own: the spill and the disk tier would bring one run's
+        # conversation (or an earlier run's) to the next.
+        home = Path(tempfile.mkdtemp(prefix=f"bench-compaction-{name}-"))
         docs[name] = asyncio.run(run(rows, msgspec.structs.replace(config, home=str(home)),
                                      loaded, mode))
         print(f"{name}: {docs[name]['wall_s']:.0f} s, errors "
               f"{docs[name]['totals']['errors']}", file=sys.stderr, flush=True)
-    home = Path(config.home_path()) / "bench-compaction-prepared"
+    home = Path(tempfile.mkdtemp(prefix="bench-compaction-prepared-"))
     prepared = asyncio.run(prepared_run(rows, msgspec.structs.replace(config, home=str(home)),
                                         loaded, at, args.summary_tokens))
     print("| compaction | prompt tokens | forwarded | TTFT ms | source | the turn after: "
