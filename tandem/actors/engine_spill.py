@@ -43,6 +43,7 @@ from tandem.cache.namespace import Namespace
 from tandem.io.spill import SpillReadFailed
 from tandem.io.spill_slots import (RESTORE_RATE_PRIOR, adopt_entry, align_offer, slot_entry,
                                    weigh)
+from tandem.tokens import common_prefix
 
 log = structlog.get_logger("tandem.spill")
 
@@ -149,11 +150,7 @@ class EngineSpill:
                 resident.anchors[line].restore(state)
             engine.resume_at(line)  # at 0: zeros, the cold start
             return Resume(line, "resident" if line else "cold")
-        in_place = min(len(rows), len(report.token_ids))
-        for i in range(in_place):
-            if rows[i] != report.token_ids[i]:
-                in_place = i
-                break
+        in_place = common_prefix(rows, report.token_ids)  # the rows the restore left alone
         adopt_entry(resident.holdings, engine, report, job.session, job.namespace, in_place,
                     end_anchor=resident.end_anchor)
         seconds = time.perf_counter() - t
