@@ -328,9 +328,11 @@ class EngineSpill:
             if holdings is None:
                 continue
             namespace = Namespace(m.namespace)
+            session = m.meta.get("session") if isinstance(m.meta, dict) else None
             try:
                 ok = await self._on_thread(self._read_into_slot, slot, eid, holdings,
-                                           namespace)
+                                           namespace, session if isinstance(session, str)
+                                           else None)
             finally:
                 self._return_slot(request_id, slot, holdings)
             if ok:
@@ -341,7 +343,8 @@ class EngineSpill:
         log.info("spill_read_at_start", read=read, failed=failed, entries=len(entries))
         return SpillRead(read, failed)
 
-    def _read_into_slot(self, slot: int, eid: str, holdings: Any, namespace: Namespace) -> bool:
+    def _read_into_slot(self, slot: int, eid: str, holdings: Any, namespace: Namespace,
+                        session: str | None = None) -> bool:
         """On the engine thread: entry ``eid`` into the empty slot ``slot``."""
         self._activate(slot)
         engine = self.engine
@@ -352,7 +355,7 @@ class EngineSpill:
             engine.reset()
             self.spill_counts["read_failed"] += 1
             return False
-        adopt_entry(holdings, engine, report, None, namespace, 0,
+        adopt_entry(holdings, engine, report, session, namespace, 0,
                     end_anchor=holdings.ends.end_anchor)
         self._hand_over_rows()
         return True

@@ -101,8 +101,11 @@ def slot_entry(holdings: Any, state: Any, token_ids: Sequence[int], length: int,
         return None
     tokens = [int(t) for t in token_ids[:length]]
     namespace = holdings.namespace
+    # The session key the server hashed (never the client's text): the next start gives the
+    # slot it reads the entry into back to that session, so its next turn is placed there.
     meta = EntryMeta(entry_session(holdings.session, tokens, namespace, entries, grid), namespace,
-                     taint=taint if taint is not None and taint < length else None)
+                     taint=taint if taint is not None and taint < length else None,
+                     extra={"session": holdings.session} if holdings.session else None)
     anchors = {line: copy for line, copy in holdings.anchors.copies.items() if line <= length}
     end = None
     e = holdings.ends.end

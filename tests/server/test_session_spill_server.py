@@ -11,7 +11,7 @@ import msgspec
 
 from tandem.config import CacheConfig, DiskConfig, SpeculationConfig, SpillConfig
 from tandem.server.app import build_app
-from tandem.server.keys import ENGINE
+from tandem.server.keys import CACHE_STATS, ENGINE
 
 SYSTEM = "You are a careful assistant who keeps a ledger of words and answers briefly. " * 6
 
@@ -246,3 +246,17 @@ async def test_a_planned_stop_writes_the_parked_conversation_too_and_both_resume
         want = {name: await _turn(sdk(server), texts[name], name) for name in "AB"}
     assert a.choices[0].text == want["A"].choices[0].text
     assert b.choices[0].text == want["B"].choices[0].text
+
+
+async def test_the_slot_read_back_at_the_start_is_its_sessions_again(
+        small_loaded, make_config, serve, sdk):
+    config = _config(make_config)
+    first = SYSTEM + _words(41, 120)
+    async with serve(build_app(config, small_loaded)) as server:
+        one = await _turn(sdk(server), first, "mine")
+    async with serve(build_app(config, small_loaded)) as server:
+        stats = (await server.app[CACHE_STATS]())["owners"]["resident"]["slots"]
+        two = await _turn(sdk(server), first + one.choices[0].text + " More.", "mine")
+    # The slot holds the session again (placed by its key, not by its rows alone).
+    assert [s["session"] for s in stats] == [True, False, False, False], stats
+    assert _cache(two)["source"] == "end" and _cache(two)["slot"] == 0
