@@ -609,6 +609,8 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
         if self._scheduler is not None and not self._scheduler.done():
             # The runs stop at their next token; wait so that no torch work outlives the actor.
             await asyncio.wait([self._scheduler])
+        if self.spill is not None and self.spill_writer is None:
+            self.spill.close()  # no writer owns it: its I/O thread ends with the engine
         if self._executor is not None and self._own_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 

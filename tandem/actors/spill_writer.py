@@ -97,6 +97,10 @@ class SpillWriterActor(Actor):
             self._io.shutdown(wait=True)  # a save under way finishes: no torn entry left
         if isinstance(self.guard, WriteGuard):
             self.guard.save()
+        if isinstance(self.spill, SessionSpill):
+            # The writer owns the instance: its I/O thread and folder descriptor end with it
+            # (a server started and stopped in one process leaves no spill thread behind).
+            self.spill.close()
 
     # -- messages --------------------------------------------------------------------------
 
