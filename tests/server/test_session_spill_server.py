@@ -38,6 +38,15 @@ async def _turn(client, text: str, session: str):
                                            temperature=0, extra_body={"session_id": session})
 
 
+async def _cold(config, small_loaded, serve, sdk, turns: dict[str, str]) -> dict:
+    """The reference: each (session: text) on a server with the caches off, in a home of its
+    own (the spill would bring the tested server's conversations back)."""
+    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False),
+                                   home=config.home + "-cold")
+    async with serve(build_app(cold, small_loaded)) as server:
+        return {name: await _turn(sdk(server), text, name) for name, text in turns.items()}
+
+
 def _entries(config) -> list:
     root = config.disk_cache_path() / "sessions"
     return [p for p in root.iterdir() if p.is_dir()] if root.exists() else []
@@ -82,10 +91,7 @@ async def test_a_conversation_the_park_gave_up_is_read_back_from_the_spill_at_it
     assert counts["saves"] >= 2, counts
     assert _cache(again)["source"] == "spill", (_cache(again), counts)
     assert counts["served"] == 1
-    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False),
-                                   home=config.home + "-cold")
-    async with serve(build_app(cold, small_loaded)) as server:
-        want = await _turn(sdk(server), texts["A"], "A")
+    want = (await _cold(config, small_loaded, serve, sdk, {"A": texts["A"]}))["A"]
     assert again.choices[0].text == want.choices[0].text
 
 
@@ -107,10 +113,7 @@ async def test_a_corrupt_block_is_deleted_at_the_read_and_the_turn_recomputed(
         assert engine.spill_counts["read_at_start"] == 0
         two = await _turn(sdk(server), second, "a")
     assert _cache(two)["source"] == "cold"
-    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False),
-                                   home=config.home + "-cold")
-    async with serve(build_app(cold, small_loaded)) as server:
-        want = await _turn(sdk(server), second, "a")
+    want = (await _cold(config, small_loaded, serve, sdk, {"a": second}))["a"]
     assert two.choices[0].text == want.choices[0].text
 
 
@@ -212,10 +215,7 @@ async def test_a_full_disk_mid_save_costs_the_entry_and_never_the_request(
         counts = dict(server.app[ENGINE].spill_counts)
     assert counts["save_skipped"].get("failed", 0) >= 1, counts
     assert _cache(again)["source"] != "spill"
-    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False),
-                                   home=config.home + "-cold")
-    async with serve(build_app(cold, small_loaded)) as server:
-        want = await _turn(sdk(server), texts["A"], "A")
+    want = (await _cold(config, small_loaded, serve, sdk, {"A": texts["A"]}))["A"]
     assert again.choices[0].text == want.choices[0].text
 
 
@@ -240,10 +240,7 @@ async def test_a_planned_stop_writes_the_parked_conversation_too_and_both_resume
         a = await _turn(client, texts["A"], "A")
     assert _cache(b)["source"] == "end", _cache(b)
     assert _cache(a)["source"] == "spill", _cache(a)
-    cold = msgspec.structs.replace(config, cache=CacheConfig(caches=False),
-                                   home=config.home + "-cold")
-    async with serve(build_app(cold, small_loaded)) as server:
-        want = {name: await _turn(sdk(server), texts[name], name) for name in "AB"}
+    want = await _cold(config, small_loaded, serve, sdk, {name: texts[name] for name in "AB"})
     assert a.choices[0].text == want["A"].choices[0].text
     assert b.choices[0].text == want["B"].choices[0].text
 
