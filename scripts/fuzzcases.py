@@ -411,6 +411,33 @@ def limits_case(rng: random.Random, *, framing: bool = False) -> Case:
     return json_case("limits", "/v1/memory/limits", body, rng, framing=framing)
 
 
+def tokenize_case(rng: random.Random, model: str, *, framing: bool = False) -> Case:
+    """/tokenize and /detokenize: each form with hostile values, two forms at once, wrong
+    types, ids outside any vocabulary."""
+    if chance(rng, 0.5):
+        pick = rng.randrange(5)
+        if pick == 0:
+            body: object = {"prompt": hostile_str(rng), "add_special_tokens": wrong_type(rng)
+                            if chance(rng, 0.3) else True}
+        elif pick == 1:
+            body = {"content": hostile_str(rng), "with_pieces": chance(rng, 0.5)}
+        elif pick == 2:
+            body = {"messages": rng.choice([[{"role": "user", "content": hostile_str(rng)}],
+                                            [], "x", [{"role": wrong_type(rng)}]]),
+                    "tools": rng.choice([None, [], {}, "x"])}
+        elif pick == 3:
+            body = {"prompt": "a", "content": "b", "messages": []}
+        else:
+            body = rng.choice([{}, [], None, "x", 5, {"prompt": wrong_type(rng)}])
+        if isinstance(body, dict) and chance(rng, 0.2):
+            body["model"] = rng.choice([model, "", "other", wrong_type(rng)])
+        return json_case("tokenize", "/tokenize", body, rng, framing=framing)
+    tokens = rng.choice([[hostile_int(rng) for _ in range(rng.randint(0, 8))],
+                         list(range(rng.randint(0, 64))), "12", None, [True, 1],
+                         [rng.randint(0, 1 << 62)]])
+    return json_case("detokenize", "/detokenize", {"tokens": tokens}, rng, framing=framing)
+
+
 def route_case(rng: random.Random, model: str, *, framing: bool = False) -> Case:
     """The other routes: every GET, model lookups, unknown paths, wrong methods. ``framing``:
     paths too that aiohttp's parser refuses before any handler runs (non-ASCII bytes), whose
@@ -491,8 +518,10 @@ def http_case(rng: random.Random, model: str, *, max_tokens: int = 4, long_max: 
     if pick < 0.6:
         return generation_case(rng, model, max_tokens=max_tokens, long_max=long_max,
                                framing=framing)
-    if pick < 0.7:
+    if pick < 0.66:
         return limits_case(rng, framing=framing)
+    if pick < 0.7:
+        return tokenize_case(rng, model, framing=framing)
     if pick < 0.82:
         return route_case(rng, model, framing=framing)
     return malformed_case(rng, model, body_limit=body_limit)

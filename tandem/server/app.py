@@ -47,6 +47,7 @@ from tandem.config import Config
 from tandem.engine import Engine
 from tandem.io.spill import make_session_spill
 from tandem.server.compaction import continuation_ids
+from tandem.server.tokenize_routes import add_tokenize_routes
 from tandem.io.tier import make_disk_tier
 from tandem.server.disk_routes import (add_disk_routes, journal_disk_events,
                                        journal_disk_events_every)
@@ -250,6 +251,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     add_openai_routes(app)
     add_memory_routes(app)
     add_disk_routes(app)
+    add_tokenize_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/cache/stats", cache_stats)

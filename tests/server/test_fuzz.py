@@ -162,6 +162,14 @@ def test_no_request_to_the_admin_and_other_routes_gets_a_5xx(server, seed):
     check(server, case)
 
 
+@settings(FUZZ, max_examples=60)
+@given(seed=SEEDS)
+def test_no_tokenize_or_detokenize_body_gets_a_5xx(server, seed):
+    """Every form of /tokenize and /detokenize with hostile values, forms mixed, wrong types."""
+    rng = random.Random(seed)
+    check(server, fuzzcases.tokenize_case(rng, fuzz_model(server)))
+
+
 @settings(FUZZ, max_examples=80)
 @given(seed=SEEDS)
 def test_no_malformed_body_gets_a_5xx(server, seed):
