@@ -471,20 +471,24 @@ async def metrics_route(request: web.Request) -> web.Response:
 async def cache_stats(request: web.Request) -> web.Response:
     return web.json_response(await request.app[CACHE_STATS]())
 
-CLEARABLE = ("disk", "spill", "all")  # POST /v1/cache/clear?tier=...
+CLEARABLE = ("ram", "disk", "spill", "all")  # POST /v1/cache/clear?tier=... (none: ram)
+RAM = ("ram", "all")  # the clears that empty the caches in RAM
 # What ``all`` leaves: the suffix store is the drafter's token history, no prompt cache.
 KEPT_BY_ALL = ("suffix",)
 
 
 @admin_route
 async def cache_clear(request: web.Request) -> web.Response:
-    """Empty cache tiers (admin). ``?tier=disk``: the disk tier's files and its admission
+    """Empty cache tiers (admin). No ``tier`` (or ``?tier=ram``): the caches in RAM (every
+    slot's resident tiers and rows, the park, the state store, the response cache and the
+    summaries written ahead), while no request runs or waits; the NVMe keeps its files.
+    ``?tier=disk``: the disk tier's files and its admission
     counts, after the writes queued before it (409 when the tier is off). ``?tier=spill``: the
     session spill's entries, after the save or restore under way (409 when the spill is off).
     ``?tier=all``: the disk tier and the spill (when on), the state store (every entry not lent to a restore under way) and the
     response cache; the answer names the tiers ``cleared``, those ``kept`` (KEPT_BY_ALL, where
     they run) and the counts ``dropped`` of each, and each clear is journaled."""
-    tier = request.query.get("tier", "")
+    tier = request.query.get("tier", "") or "ram"
     if tier not in CLEARABLE:
         raise ApiError(400, f"tier must be one of {', '.join(CLEARABLE)}; got {tier[:32]!r}",
                        param="tier", code="invalid_tier")
@@ -499,7 +503,7 @@ async def cache_clear(request: web.Request) -> web.Response:
     if tier == "spill" and spill_writer is None:
         raise ApiError(409, "the session spill is off on this server", code="tier_off")
     dropped: dict[str, dict[str, int]] = {}
-    if tier == "all":
+    if tier in RAM:
         engine = state.engine
         reply = await _ask(engine, ClearCaches(), "engine")
         if reply.busy:
@@ -515,7 +519,7 @@ async def cache_clear(request: web.Request) -> web.Response:
     if spill_writer is not None and tier in ("spill", "all"):
         reply = await _ask(spill_writer, ClearSpill(), "session spill")
         dropped["spill"] = {k: int(v) for k, v in reply.dropped.items()}
-    if tier == "all":
+    if tier in RAM:
         store = app[SUPERVISOR].actors.get("store")
         if store is not None:
             dropped["store"] = dict((await _ask(store, ClearStore(), "state store")).dropped)
@@ -539,8 +543,10 @@ async def cache_clear(request: web.Request) -> web.Response:
     if tier in ("disk", "spill"):
         return web.json_response({"tier": tier, "cleared": [tier], "dropped": dropped[tier]})
     running = app[SUPERVISOR].actors  # the resident, park and suffix actors where they run
-    return web.json_response({"tier": tier, "cleared": list(dropped),
-                              "kept": [name for name in KEPT_BY_ALL if name in running],
+    kept = [name for name in KEPT_BY_ALL if name in running]
+    if tier == "ram":  # the NVMe's tiers keep their files
+        kept += [name for name, on in (("disk", writer), ("spill", spill_writer)) if on]
+    return web.json_response({"tier": tier, "cleared": list(dropped), "kept": kept,
                               "dropped": dropped})
 
 

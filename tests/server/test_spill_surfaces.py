@@ -240,3 +240,23 @@ async def test_the_spill_panel_renders_entries_bytes_saves_skips_and_the_last_sa
             cache.spill = None  # a server without a spill: the panel goes
             await page.wait_for('document.getElementById("spill") === null')
             assert page.exceptions == []
+
+
+async def test_a_clear_without_a_tier_empties_ram_and_leaves_the_nvmes_files(
+        small_loaded, make_config, serve):
+    config = _config(make_config)
+    app = build_app(config, small_loaded)
+    async with serve(app) as server:
+        assert (await app[SPILL_WRITER].ask(_conversation(small_loaded.model), 30.0,
+                                            sender="engine")).skipped == ""
+        status, body = await _call(server, "POST", "/v1/cache/clear", ADMIN)
+        assert status == 200, body
+        assert body["tier"] == "ram" and "spill" not in body["cleared"]
+        assert "disk" not in body["cleared"] and {"disk", "spill"} <= set(body["kept"])
+        assert {"resident", "store"} <= set(body["cleared"])
+        assert (await app[CACHE_STATS]())["tiers"]["spill"]["entries"] == 1
+        # the same with ?tier=ram; an unknown tier is a 400 naming it
+        status, again = await _call(server, "POST", "/v1/cache/clear?tier=ram", ADMIN)
+        assert status == 200 and again["tier"] == "ram"
+        status, bad = await _call(server, "POST", "/v1/cache/clear?tier=nvme", ADMIN)
+        assert status == 400 and bad["error"]["param"] == "tier"
