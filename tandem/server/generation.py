@@ -139,7 +139,7 @@ class Run:
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
                  marks: PromptMarks | None = None, side: bool = False,
                  client_prompt_tokens: int | None = None, compaction: dict | None = None,
-                 prepared: Any = None) -> None:
+                 prepared: Any = None, head_parts: tuple[int, int] | None = None) -> None:
         self.state = state
         self.marks = marks  # a chat prompt's parts, for the disk tier's head
         self.side = side  # a side request (tandem/server/side.py)
@@ -154,6 +154,8 @@ class Run:
         self.compaction = compaction  # how a compaction request was served (None: not one)
         # The compaction preparer's summary that answers it (tandem.cache.prepared).
         self.prepared = prepared
+        # A chat prompt's leading system and tools tokens (the usage split); None: a text prompt.
+        self.head_parts = head_parts
         self.params = params
         self.session = session
         # Only the salt's digest is kept: the salt never reaches the engine, a log or the
@@ -424,6 +426,24 @@ class Run:
         """What served the rows as the engine says it (the tier of a continuation's rows)."""
         return self.result.cache_source if self.result is not None else "cold"
 
+    def _parts(self) -> dict[str, int]:
+        """The usage split of the client's prompt: system, tools and history add up to
+        ``prompt_tokens`` (images: none yet); ``injected`` is what the server put in beyond
+        them (the end anchor's replay of hidden spans and reasoning), so that the five are the
+        prompt the engine read, cached plus reread. A continuation reads other ids than the
+        client's prompt: nothing is injected into the client's."""
+        prompt = self.client_prompt_tokens
+        system, tools = self.head_parts or (0, 0)
+        system = min(system, prompt)
+        tools = min(tools, prompt - system)
+        r = self.result
+        read = (r.reused_tokens + r.reread_tokens) if r is not None else prompt
+        injected = 0
+        if self.compaction is None or self.compaction.get("served") == "as_sent":
+            injected = max(0, read - prompt)
+        return {"system": system, "tools": tools, "history": prompt - system - tools,
+                "injected": injected, "images": 0}
+
     def usage(self) -> dict:
         prompt = self.client_prompt_tokens
         source = self.cache_source
@@ -439,7 +459,7 @@ class Run:
             cache["end_replayed"] = r.end_replayed
         if source == "continuation":
             cache["resumed_from"] = self.engine_source
-        tandem: dict = {"cache": cache}
+        tandem: dict = {"parts": self._parts(), "harness": None, "cache": cache}
         if self.side:
             tandem["side"] = True
         if self.compaction is not None:

@@ -47,6 +47,7 @@ from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Samp
 from tandem.server.sessions import session_key
 from tandem.server.side import is_side_request
 from tandem.server.state import STATE, ServerState
+from tandem.tokens import common_prefix
 
 log = structlog.get_logger("tandem.server")
 
@@ -205,7 +206,8 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
                       marks=extra.get("marks"), side=extra.get("side", False),
                       client_prompt_tokens=extra.get("client_prompt_tokens"),
-                      compaction=extra.get("compaction"), prepared=extra.get("prepared"))
+                      compaction=extra.get("compaction"), prepared=extra.get("prepared"),
+                      head_parts=extra.get("head_parts"))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
@@ -270,6 +272,7 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
         raise _unknown_model(req.model, state)
     stops = req.stop_strings()
     prompt_ids, thinking = await asyncio.to_thread(_chat_ids, state, req)
+    head = await asyncio.to_thread(_head_parts, state, req, prompt_ids)
     window = state.window
     _check_window(len(prompt_ids), window, "messages")
     _check_room(req.limit, "max_completion_tokens" if req.max_completion_tokens is not None
@@ -280,6 +283,7 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
     extra = {"thinking": thinking, "tools": req.tools, "marks": _marks(state, req, prompt_ids),
+             "head_parts": head,
              "side": state.config.server.side_requests and is_side_request(req.messages)}
     prepared = ctx.request.app.get(PREPARED)
     if prepared is not None and ctx.session is not None and req.tools:
@@ -387,6 +391,36 @@ def _chat_ids(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int]
         raise bad_request(str(e), param, "invalid_messages") from None
     _check_fits(prompt.text, state, "messages")
     return prompt.encode(state.tokenizer), prompt.thinking
+
+
+def _head_parts(state: ServerState, req: ChatCompletionRequest, ids: list[int]
+                ) -> tuple[int, int]:
+    """How many of a chat prompt's first tokens are its system text and then its tools (the
+    usage split's ``system`` and ``tools``; the rest is ``history``): the leading system
+    messages rendered alone, without and with the tools, met against the prompt's ids (a
+    template that puts them elsewhere gets what it shares at the start)."""
+    system = []
+    for m in req.messages:
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer"):
+            break
+        system.append(m)
+    tools = req.tools if req.tool_choice != "none" else None
+    counts = []
+    for with_tools in (None, tools):
+        if not system and not with_tools:
+            counts.append(0)
+            continue
+        try:
+            head = render_prompt(system, with_tools, add_generation_prompt=False,
+                                 enable_thinking=req.enable_thinking,
+                                 template=state.chat_template,
+                                 preserve_thinking=req.preserve_thinking,
+                                 control_tokens=state.tokenizer.control_tokens)
+        except ChatError:
+            counts.append(0)
+            continue
+        counts.append(common_prefix(ids, head.encode(state.tokenizer)))
+    return counts[0], max(0, counts[1] - counts[0])
 
 
 def _chunk(ctx: _Request, run: Run, choices: list[dict], usage: dict | None = None,
