@@ -12,6 +12,7 @@ fit the window is refused before it is tokenised.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -393,6 +394,11 @@ def _chat_ids(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int]
     return prompt.encode(state.tokenizer), prompt.thinking
 
 
+HEADS_KEPT = 64  # system texts and tool sets whose rendered head is kept (the usage split)
+_HEADS: dict[tuple[int, bytes], list[int]] = {}  # worker threads only; oldest first
+_HEADS_LOCK = threading.Lock()
+
+
 def _head_parts(state: ServerState, req: ChatCompletionRequest, ids: list[int]
                 ) -> tuple[int, int]:
     """How many of a chat prompt's first tokens are its system text and then its tools (the
@@ -410,16 +416,25 @@ def _head_parts(state: ServerState, req: ChatCompletionRequest, ids: list[int]
         if not system and not with_tools:
             counts.append(0)
             continue
-        try:
-            head = render_prompt(system, with_tools, add_generation_prompt=False,
-                                 enable_thinking=req.enable_thinking,
-                                 template=state.chat_template,
-                                 preserve_thinking=req.preserve_thinking,
-                                 control_tokens=state.tokenizer.control_tokens)
-        except ChatError:
-            counts.append(0)
-            continue
-        counts.append(common_prefix(ids, head.encode(state.tokenizer)))
+        key = (id(state), _json.encode([system, with_tools, req.enable_thinking,
+                                        req.preserve_thinking]))
+        head = _HEADS.get(key)
+        if head is None:
+            # An agent sends the same system text and tools every turn: rendered once.
+            try:
+                head = render_prompt(system, with_tools, add_generation_prompt=False,
+                                     enable_thinking=req.enable_thinking,
+                                     template=state.chat_template,
+                                     preserve_thinking=req.preserve_thinking,
+                                     control_tokens=state.tokenizer.control_tokens
+                                     ).encode(state.tokenizer)
+            except ChatError:
+                head = []
+            with _HEADS_LOCK:
+                _HEADS[key] = head
+                while len(_HEADS) > HEADS_KEPT:
+                    _HEADS.pop(next(iter(_HEADS)))
+        counts.append(common_prefix(ids, head))
     return counts[0], max(0, counts[1] - counts[0])
 
 
