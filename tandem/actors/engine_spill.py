@@ -315,12 +315,13 @@ class EngineSpill:
         request (the handler holds the mailbox meanwhile)."""
         if self._tiers is None or self.spill is None or self._jobs:
             return SpillRead()
-        entries = sorted(self.spill.entries(), key=lambda eid: -(self.spill.last_used(eid) or 0))
+        manifests = self.spill.entries()  # one copy of the index, read once
+        entries = sorted(manifests, key=lambda eid: -(self.spill.last_used(eid) or 0))
         read = failed = 0
         slots = [i for i in range(self.parallel) if not self._slot_rows[i]]
         for eid, slot in zip(entries, slots):
-            m = self.spill.entries().get(eid)
-            if m is None or m.valid > self.view.window:
+            m = manifests[eid]
+            if m.valid > self.view.window:
                 continue
             await self._use_slot(slot)
             request_id = f"spill-read-{slot}"
