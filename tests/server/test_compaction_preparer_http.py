@@ -6,7 +6,7 @@ import aiohttp
 from tandem.cache.prepared import PreparedAnswers
 from tandem.config import CompactionConfig, Config
 from tandem.server.app import build_app
-from tandem.server.compaction import CompactionAsk, build_continuation, continuation_ids
+from tandem.server.compaction import CompactionAsk, build_continuation
 from tandem.server.keys import PREPARED, SUPERVISOR
 
 COUNTERS = {"started", "yielded", "yielded_by", "finished", "served", "failed", "lock_busy"}
@@ -49,12 +49,14 @@ async def test_compaction_prepare_off_builds_no_preparer(small_loaded, make_conf
     assert "compaction_preparer" not in stats
 
 
-def test_the_preparer_writes_with_the_routes_own_continuation(small_loaded):
-    """Its prompt is the one a compaction request at that end anchor is served with, so the
-    summary it writes is the one that request would decode."""
+def test_the_preparer_writes_with_the_routes_own_continuation(small_loaded, make_config):
+    """The server's preparer builds its prompt as a compaction request at that end anchor is
+    served, so the summary it writes is the one that request would decode."""
     tok = small_loaded.tokenizer
     rows = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nhi there")
-    ids = continuation_ids(tok, None, rows, "SYSTEM", "SUMMARISE")
+    app = build_app(make_config(), small_loaded)
+    ids = app[SUPERVISOR].actors["compaction_preparer"].continuation(rows, "SYSTEM",
+                                                                     "SUMMARISE")
     ask = CompactionAsk("SYSTEM", "", "SUMMARISE", ())
     assert ids == build_continuation(ask, rows, "slot", tok, None).prompt_ids
     assert ids[:len(rows)] == rows
