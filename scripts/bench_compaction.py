@@ -151,14 +151,15 @@ def main() -> int:
     for mode, name in (("client", "cold"), ("continue", "continuation")):
         # Each in a fresh home of its own: the spill and the disk tier would bring one run's
         # conversation (or an earlier run's) to the next.
-        home = Path(tempfile.mkdtemp(prefix=f"bench-compaction-{name}-"))
-        docs[name] = asyncio.run(run(rows, msgspec.structs.replace(config, home=str(home)),
-                                     loaded, mode))
+        # (removed after the run: each holds a disk tier and a spill of the conversation)
+        with tempfile.TemporaryDirectory(prefix=f"bench-compaction-{name}-") as home:
+            docs[name] = asyncio.run(run(rows, msgspec.structs.replace(config, home=home),
+                                         loaded, mode))
         print(f"{name}: {docs[name]['wall_s']:.0f} s, errors "
               f"{docs[name]['totals']['errors']}", file=sys.stderr, flush=True)
-    home = Path(tempfile.mkdtemp(prefix="bench-compaction-prepared-"))
-    prepared = asyncio.run(prepared_run(rows, msgspec.structs.replace(config, home=str(home)),
-                                        loaded, at, args.summary_tokens))
+    with tempfile.TemporaryDirectory(prefix="bench-compaction-prepared-") as home:
+        prepared = asyncio.run(prepared_run(rows, msgspec.structs.replace(config, home=home),
+                                            loaded, at, args.summary_tokens))
     print("| compaction | prompt tokens | forwarded | TTFT ms | source | the turn after: "
           "source, cached |\n|---|---:|---:|---:|---|---|")
     picked = {}
