@@ -16,9 +16,12 @@ Every draw goes through ``rng``: the same seed (or the same hypothesis data) giv
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import random
+import struct
+import zlib
 from dataclasses import dataclass, field
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
@@ -511,6 +514,45 @@ def malformed_case(rng: random.Random, model: str, *, body_limit: int = 60_000) 
     return Case("malformed", "POST", path, body[:body_limit], headers)
 
 
+def image_case(rng: random.Random, model: str, *, framing: bool = False) -> Case:
+    """A chat whose image_url part is hostile: data URLs with garbage, truncated or foreign
+    payloads and wrong media types, a claimed huge canvas, other schemes, wrong shapes."""
+    png = base64.b64encode(_TINY_PNG).decode()
+    url: object = rng.choice([
+        "data:image/png;base64," + png,
+        "data:image/png;base64," + png[: rng.randint(0, len(png))],
+        "data:image/png;base64," + hostile_str(rng),
+        "data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8\xff" + rng.randbytes(40)).decode(),
+        "data:image/webp;base64," + base64.b64encode(b"RIFF\0\0\0\0WEBP" + rng.randbytes(20)).decode(),
+        "data:image/gif;base64," + base64.b64encode(b"GIF89a" + rng.randbytes(30)).decode(),
+        "data:text/html;base64," + png, "data:image/png," + png, "data:;base64,",
+        "data:image/png;base64," + base64.b64encode(_BOMB_PNG).decode(),
+        "file:///etc/passwd", "http://127.0.0.1:9/x.png", "javascript:1", "", wrong_type(rng),
+    ])
+    part: object = rng.choice([{"type": "image_url", "image_url": {"url": url}},
+                               {"type": "image_url", "image_url": url},
+                               {"type": "image_url"}, {"type": "image_url", "image_url": []}])
+    body = {"model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, part]}]}
+    return json_case("image", "/v1/chat/completions", body, rng, framing=framing)
+
+
+def _png(width: int, height: int) -> bytes:
+    """A valid grey PNG of the size given, written by hand (no image library here)."""
+    row, packer = b"\0" + b"\x80" * width, zlib.compressobj(9)
+    pixels = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+_TINY_PNG = _png(4, 3)
+_BOMB_PNG = _png(8000, 8000)  # 64 Mpx of one grey in about 64 KB: over image_max_pixels
+
+
 def http_case(rng: random.Random, model: str, *, max_tokens: int = 4, long_max: int = 2000,
               body_limit: int = 60_000, framing: bool = False) -> Case:
     """Any HTTP case, in the mix the script runs: mostly generation requests."""
@@ -522,6 +564,8 @@ def http_case(rng: random.Random, model: str, *, max_tokens: int = 4, long_max: 
         return limits_case(rng, framing=framing)
     if pick < 0.7:
         return tokenize_case(rng, model, framing=framing)
+    if pick < 0.73:
+        return image_case(rng, model, framing=framing)
     if pick < 0.82:
         return route_case(rng, model, framing=framing)
     return malformed_case(rng, model, body_limit=body_limit)

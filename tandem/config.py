@@ -311,6 +311,24 @@ class CompactionConfig(_Section):
         "Relative to home unless absolute; empty: no box lock."))] = "box.lock"
 
 
+class ImagesConfig(_Section):
+    """Images in a prompt: what an image_url part may be, and its limits."""
+
+    image_fetch: Annotated[Literal["off", "on"], Meta(description=(
+        "Fetch http(s) image URLs (within image_max_mb and image_fetch_timeout_s); off: only "
+        "data: URLs are read, and any other URL is a 400 naming its part."))] = "off"
+    image_fetch_timeout_s: Annotated[float, Meta(gt=0, description=(
+        "Seconds one image's fetch may take, the connection and the body together."))] = 10.0
+    image_max_mb: Annotated[float, Meta(gt=0, description=(
+        "Largest encoded image (the data URL's decoded payload, or the fetched body), in "
+        "MiB."))] = 20.0
+    image_max_pixels: Annotated[int, Meta(ge=1, description=(
+        "Largest image, width times height, read from its header before a pixel is "
+        "decoded."))] = 40_000_000
+    max_images: Annotated[int, Meta(ge=1, description=(
+        "Images one request may carry."))] = 16
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole config. Sections are tables in the TOML; knob names are unique across them."""
 
@@ -327,6 +345,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     disk: DiskConfig = msgspec.field(default_factory=DiskConfig)
     spill: SpillConfig = msgspec.field(default_factory=SpillConfig)
     compaction: CompactionConfig = msgspec.field(default_factory=CompactionConfig)
+    images: ImagesConfig = msgspec.field(default_factory=ImagesConfig)
 
     def home_path(self) -> Path:
         """The home folder, absolute. ``load_config`` resolves an empty ``home`` already; a

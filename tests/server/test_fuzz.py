@@ -170,6 +170,15 @@ def test_no_tokenize_or_detokenize_body_gets_a_5xx(server, seed):
     check(server, fuzzcases.tokenize_case(rng, fuzz_model(server)))
 
 
+@settings(FUZZ, max_examples=40)
+@given(seed=SEEDS)
+def test_no_image_part_gets_a_5xx(server, seed):
+    """Hostile image_url parts: garbage, truncated or foreign payloads, a claimed huge canvas,
+    other schemes, wrong shapes: each a 4xx naming its part."""
+    rng = random.Random(seed)
+    check(server, fuzzcases.image_case(rng, fuzz_model(server)))
+
+
 @settings(FUZZ, max_examples=80)
 @given(seed=SEEDS)
 def test_no_malformed_body_gets_a_5xx(server, seed):
