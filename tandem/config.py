@@ -326,7 +326,12 @@ class ImagesConfig(_Section):
         "Largest image, width times height, read from its header before a pixel is "
         "decoded."))] = 40_000_000
     max_images: Annotated[int, Meta(ge=1, description=(
-        "Images one request may carry."))] = 16
+        "Images a prompt keeps: past it the oldest are left out, each replaced by a fixed "
+        "text, in steps of half the cap, so the head before the first image still sent stays "
+        "the same from turn to turn."))] = 16
+    max_image_tokens: Annotated[int, Meta(ge=1, description=(
+        "Image rows a prompt keeps, over all its images: past it the oldest are left out in "
+        "steps of half the cap, as past max_images."))] = 16384
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -46,7 +46,6 @@ class ImageLimits(msgspec.Struct, frozen=True, kw_only=True):
 
     max_bytes: int = 20 << 20           # an image's encoded bytes (after base64, or fetched)
     max_pixels: int = 40_000_000        # width x height, read from the header before decoding
-    max_images: int = 16                # images in one request (part 5's cap leaves out more)
     fetch: bool = False                 # http(s) URLs; off: only data: URLs
     fetch_timeout_s: float = 10.0
 
@@ -55,7 +54,7 @@ def image_limits(config: Any) -> ImageLimits:
     """The limits of a tandem.config.Config's [images] section."""
     images = config.images
     return ImageLimits(max_bytes=int(images.image_max_mb * (1 << 20)),
-                       max_pixels=images.image_max_pixels, max_images=images.max_images,
+                       max_pixels=images.image_max_pixels,
                        fetch=images.image_fetch == "on",
                        fetch_timeout_s=images.image_fetch_timeout_s)
 
@@ -105,9 +104,6 @@ def _walk(messages: Any) -> Iterator[ImagePart]:
 async def load_images(parts: Sequence[ImagePart], limits: ImageLimits,
                       http: aiohttp.ClientSession | None = None) -> list[DecodedImage]:
     """The parts' images decoded, in order; a 400 naming the first part that fails."""
-    if len(parts) > limits.max_images:
-        raise bad_request(f"{len(parts)} images in one request; at most {limits.max_images} "
-                          "(max_images)", parts[limits.max_images].where, "too_many_images")
     images = []
     for part in parts:
         data = await _bytes_of(part, limits, http)

@@ -41,6 +41,7 @@ from tandem.server.compaction import Continuation, compaction_request, continuat
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
 from tandem.server.guard import require_admin
+from tandem.server.image_caps import leave_out, left_out_by_count
 from tandem.server.images import image_limits, image_parts, load_images
 from tandem.server.journal import RequestRow
 from tandem.server.keys import PREPARED
@@ -273,8 +274,12 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     if req.model != state.model_name:
         raise _unknown_model(req.model, state)
     if parts := image_parts(req.messages):
-        # Every image is read and checked first, so a bad one is named as such; the language
-        # model then refuses them all until the vision tower feeds its rows (issue 19).
+        # The oldest past the cap are left out (never decoded); the others are read and checked
+        # first, so a bad one is named as such; the language model then refuses them all until
+        # the vision tower feeds its rows (issue 19).
+        left = left_out_by_count(len(parts), state.config.images.max_images)
+        req = msgspec.structs.replace(req, messages=leave_out(req.messages, parts, left))
+        parts = parts[left:]
         await load_images(parts, image_limits(state.config))
         raise bad_request("this model reads no images: it has no vision tower", parts[0].where,
                           "images_unsupported")
