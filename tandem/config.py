@@ -329,6 +329,9 @@ class ImagesConfig(_Section):
         "Images a prompt keeps: past it the oldest are left out, each replaced by a fixed "
         "text, in steps of half the cap, so the head before the first image still sent stays "
         "the same from turn to turn."))] = 16
+    image_cache_mb: Annotated[float, Meta(ge=0, description=(
+        "The vision tower's output kept by the digest of an image's patches, least recently "
+        "used out first, so an image resent every turn is encoded once; 0: none kept."))] = 512.0
     max_image_tokens: Annotated[int, Meta(ge=1, description=(
         "Image rows a prompt keeps, over all its images: past it the oldest are left out in "
         "steps of half the cap, as past max_images."))] = 16384
