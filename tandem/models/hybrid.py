@@ -4,7 +4,9 @@ Gated DeltaNet layers (recurrent state ``gdn.S`` in fp32 and a conv tail ``gdn.c
 gated full-attention layers (views ``K`` and ``V``, one row a token). Weights are plain tensors
 applied with ``F.linear`` in the checkpoint's own row order; the math follows transformers'
 modeling_qwen3_5 / modeling_qwen3_next / modeling_qwen3_5_moe (the experts: models/moe.py),
-which the tests hold it to within 1e-5 in fp32.
+which the tests hold it to within 1e-5 in fp32. A checkpoint with a vision tower
+(``model.visual.*``) loads it beside the language model (models/vision.py); forward then takes
+the tower's rows in place of the image placeholders' embeddings and the rows' 3-D positions.
 """
 
 from __future__ import annotations
@@ -147,8 +149,10 @@ class HybridConfig:
 
 
 def _model_name(name: str, config: HybridConfig) -> str | None:
-    """A checkpoint tensor's name in the model, or None for one it does not use: the MTP head
-    (``mtp.*``), a VL checkpoint's vision tower, a tied checkpoint's stray lm_head."""
+    """A checkpoint tensor's name in the language model, or None for one it does not use: the
+    MTP head (``mtp.*``), a VL checkpoint's vision tower (HybridModel.load reads that through
+    vision.visual_name when the config has a vision_config), a tied checkpoint's stray
+    lm_head."""
     if name == "lm_head.weight":
         return None if config.tie_word_embeddings else name
     for prefix in ("model.language_model.", "model."):  # Qwen3.5 VL nests the language model

@@ -39,6 +39,11 @@ DEFAULT_STD = (0.5, 0.5, 0.5)
 DEFAULT_MIN_PIXELS = 65536
 DEFAULT_MAX_PIXELS = 16777216
 MAX_ASPECT = 200  # smart_resize refuses a longer side over 200 times the shorter
+# What a client's image_url may hold (the OpenAI API's list); PIL would open many more (TIFF,
+# BMP, ICO, ...), each a decoder more for a request to reach.
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
+# A decoded RGB image holds 3 bytes a pixel: 64 Mi pixels is 192 MiB before the resize.
+MAX_DECODED_PIXELS = 1 << 26
 _RESAMPLE = {2: "BILINEAR", 3: "BICUBIC"}
 
 
@@ -151,14 +156,15 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int,
     return h_bar, w_bar
 
 
-def decode(data: bytes, max_pixels: int = 1 << 28):
+def decode(data: bytes, max_pixels: int = MAX_DECODED_PIXELS,
+           formats: tuple[str, ...] = FORMATS):
     """An encoded image (PNG, JPEG, WebP, GIF: its first frame) as an RGB PIL image, any
     transparency composited onto white as transformers' convert_to_rgb does. ``max_pixels``
     bounds the decoded size before any pixel is decoded (a small file can claim a huge one)."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=formats)
         width, height = image.size
         if width * height > max_pixels:
             raise ImageError(f"an image of {width}x{height} pixels is over the limit of "
@@ -167,6 +173,8 @@ def decode(data: bytes, max_pixels: int = 1 << 28):
         image.load()
     except ImageError:
         raise
+    except UnidentifiedImageError as exc:
+        raise ImageError(f"the image cannot be decoded as {', '.join(formats)}") from exc
     except Image.DecompressionBombError as exc:
         raise ImageError("the image claims more pixels than the decoder allows") from exc
     except Exception as exc:  # PIL raises many types for a corrupt or unknown file
@@ -218,5 +226,5 @@ def patchify(x: np.ndarray, config: ImageProcessorConfig) -> np.ndarray:
 
 
 def preprocess_bytes(data: bytes, config: ImageProcessorConfig,
-                     max_decoded_pixels: int = 1 << 28) -> PreprocessedImage:
+                     max_decoded_pixels: int = MAX_DECODED_PIXELS) -> PreprocessedImage:
     return preprocess(decode(data, max_decoded_pixels), config)

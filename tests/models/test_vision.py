@@ -130,6 +130,13 @@ def test_a_bad_image_is_an_image_error_that_names_no_pixels():
         ip.decode(b"\x89PNG\r\n\x1a\n not really")
     with pytest.raises(ip.ImageError, match="cannot be decoded"):
         ip.decode(b"")
+    bmp = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(bmp, format="BMP")
+    with pytest.raises(ip.ImageError, match="PNG, JPEG, WEBP, GIF"):
+        ip.decode(bmp.getvalue())  # PIL reads BMP; a client's image_url may not send it
+    jpeg = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(jpeg, format="JPEG")
+    assert ip.decode(jpeg.getvalue()).size == (8, 8)
     big = io.BytesIO()
     Image.new("RGB", (300, 300)).save(big, format="PNG")
     with pytest.raises(ip.ImageError, match="over the limit"):
@@ -140,11 +147,11 @@ def test_a_bad_image_is_an_image_error_that_names_no_pixels():
 
 def test_the_digest_follows_the_pixels_not_the_bytes(model):
     image = _noise((40, 52, 3), seed=6)
-    png, bmp = io.BytesIO(), io.BytesIO()
+    png, webp = io.BytesIO(), io.BytesIO()
     image.save(png, format="PNG")
-    image.save(bmp, format="BMP")
+    image.save(webp, format="WEBP", lossless=True)
     a = ip.preprocess_bytes(png.getvalue(), model.images.processor)
-    b = ip.preprocess_bytes(bmp.getvalue(), model.images.processor)
+    b = ip.preprocess_bytes(webp.getvalue(), model.images.processor)
     assert a.digest() == b.digest()
     other = _noise((40, 52, 3), seed=6)
     other.putpixel((0, 0), (1, 2, 3))
