@@ -301,3 +301,32 @@ def test_a_tower_whose_width_is_not_the_language_models_is_refused(vl_dir, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelError, match="out_hidden_size"):
         HybridModel.load(tmp_path)
+
+
+def test_the_moe_checkpoints_tower_with_merge_1_gives_transformers_rows(qwen3_5_moe_dir):
+    """Qwen3.5-MoE's layout (oracle.make_qwen3_5_moe: temporal patch 1, merge 1, no
+    preprocessor_config.json, so the processor's sizes come from the tower's config)."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    model = HybridModel.load(qwen3_5_moe_dir)
+    rules = model.images.processor
+    assert (rules.patch_size, rules.temporal_patch_size, rules.merge_size) == (4, 1, 1)
+    assert (rules.min_pixels, rules.max_pixels) == (ip.DEFAULT_MIN_PIXELS, ip.DEFAULT_MAX_PIXELS)
+    oracle = Qwen3_5MoeForConditionalGeneration.from_pretrained(qwen3_5_moe_dir,
+                                                                dtype=torch.float32).eval()
+    processor = Qwen2VLImageProcessorPil(patch_size=4, merge_size=1, temporal_patch_size=1,
+                                         image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                         size={"shortest_edge": rules.min_pixels,
+                                               "longest_edge": rules.max_pixels})
+    image = IMAGES["noise 70x45"]()
+    want = processor(images=[image], return_tensors="pt")
+    pre = ip.preprocess(image, rules)
+    assert torch.equal(torch.from_numpy(pre.pixel_values), want["pixel_values"])
+    with torch.no_grad():
+        ref = oracle.model.visual(want["pixel_values"],
+                                  grid_thw=want["image_grid_thw"]).pooler_output
+    rows = model.images.tower.encode(pre.pixel_values, pre.grid)
+    assert rows.shape == ref.shape == (pre.num_tokens, 64)
+    assert (rows - ref).abs().max().item() < 1e-5
