@@ -88,7 +88,7 @@ def make_qwen3_next(path: Path, seed: int = 0, **overrides) -> Path:
 def make_qwen3_5_moe(path: Path, seed: int = 0, **overrides) -> Path:
     """A Qwen3.5-MoE checkpoint as the 35B-A3B ships: model_type qwen3_5_moe with the language
     model in text_config, its tensors under model.language_model.*, one expert's tensors apiece
-    (transformers saves them so), and a vision tower beside it, which tandem leaves unread."""
+    (transformers saves them so), and a vision tower beside it (temporal patch and merge 1)."""
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
     text = _common(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -102,6 +102,41 @@ def make_qwen3_5_moe(path: Path, seed: int = 0, **overrides) -> Path:
     model = Qwen3_5MoeForConditionalGeneration(config).eval()
     _perturb(model, seed)
     model.save_pretrained(path)
+    return path
+
+
+# A multimodal Qwen3.5's ids inside VOCAB (the real ones are 248053 to 248057).
+VISION_START, VISION_END, IMAGE_TOKEN, VIDEO_TOKEN = 498, 499, 500, 501
+
+
+def make_qwen3_5_vl(path: Path, seed: int = 0, **overrides) -> Path:
+    """A Qwen3.5 checkpoint with its vision tower as the real ones ship (model_type qwen3_5,
+    text_config and vision_config, ``model.visual.*`` beside ``model.language_model.*``) and its
+    image processor's preprocessor_config.json: 8-pixel patches, merge 2, temporal patch 2, so
+    a 64 x 64 image is 64 patches and 16 prompt rows. The rotary is 12 of 16 head dims, six
+    frequencies split 2/2/2 into mRoPE's temporal, height and width sections."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    text = _common(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.75, "mrope_section": [2, 2, 2],
+                                    "mrope_interleaved": True})
+    text.update(overrides)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+                  num_position_embeddings=36, initializer_range=0.1)
+    torch.manual_seed(seed)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                           video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+                           vision_end_token_id=VISION_END, tie_word_embeddings=False)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    _perturb(model, seed)
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(patch_size=8, merge_size=2, temporal_patch_size=2,
+                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+                             size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128}
+                             ).save_pretrained(path)
     return path
 
 

@@ -4,7 +4,9 @@ Gated DeltaNet layers (recurrent state ``gdn.S`` in fp32 and a conv tail ``gdn.c
 gated full-attention layers (views ``K`` and ``V``, one row a token). Weights are plain tensors
 applied with ``F.linear`` in the checkpoint's own row order; the math follows transformers'
 modeling_qwen3_5 / modeling_qwen3_next / modeling_qwen3_5_moe (the experts: models/moe.py),
-which the tests hold it to within 1e-5 in fp32.
+which the tests hold it to within 1e-5 in fp32. A checkpoint with a vision tower
+(``model.visual.*``) loads it beside the language model (models/vision.py); forward then takes
+the tower's rows in place of the image placeholders' embeddings and the rows' 3-D positions.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from tandem import kernels
 from tandem.kernels import decode as decode_ops, reference
 from tandem.kernels.decode import each_row
-from tandem.models import checkpoint, fields, moe, quant, rope, rows
+from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
 from tandem.models.base import Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -63,6 +65,8 @@ class HybridConfig:
     rope_type: str = "default"
     rope_scaling: tuple[tuple[str, object], ...] = ()
     attention_bias: bool = False  # q/k/v/o_proj biases
+    # mRoPE's temporal, height and width frequency counts (rope.mrope_axes); read by image rows
+    mrope_section: tuple[int, ...] = rope.DEFAULT_MROPE_SECTION
 
     @classmethod
     def from_dict(cls, raw: dict) -> "HybridConfig":
@@ -115,6 +119,7 @@ class HybridConfig:
                 rope_type=rope_type,
                 rope_scaling=rope_scaling,
                 attention_bias=bool(cfg.get("attention_bias", False)),
+                mrope_section=rope.read_mrope_section(cfg),
             )
         except KeyError as exc:
             raise ModelError(f"config.json lacks {exc.args[0]!r}") from exc
@@ -144,8 +149,10 @@ class HybridConfig:
 
 
 def _model_name(name: str, config: HybridConfig) -> str | None:
-    """A checkpoint tensor's name in the model, or None for one it does not use: the MTP head
-    (``mtp.*``), a VL checkpoint's vision tower, a tied checkpoint's stray lm_head."""
+    """A checkpoint tensor's name in the language model, or None for one it does not use: the
+    MTP head (``mtp.*``), a VL checkpoint's vision tower (HybridModel.load reads that through
+    vision.visual_name when the config has a vision_config), a tied checkpoint's stray
+    lm_head."""
     if name == "lm_head.weight":
         return None if config.tie_word_embeddings else name
     for prefix in ("model.language_model.", "model."):  # Qwen3.5 VL nests the language model
@@ -186,8 +193,11 @@ class HybridModel:
     """A Qwen3.5 / Qwen3-Next language model over one sequence's preallocated buffers."""
 
     def __init__(self, config: HybridConfig, weights: dict[str, torch.Tensor],
-                 dtype: torch.dtype | None = None, source: Path | None = None):
+                 dtype: torch.dtype | None = None, source: Path | None = None,
+                 images: "vision.ImageSupport | None" = None):
         self.config = config
+        # the vision tower and its processor's rules, for a checkpoint that has them
+        self.images = images
         self.model_type = config.model_type
         self.vocab_size = config.vocab_size
         self.dtype = dtype or _dtype(config.dtype)
@@ -200,6 +210,7 @@ class HybridModel:
         self.w = self._check_and_cast(weights)
         self.inv_freq, self.rope_scale = rope.inv_freq(config.rope_type, config.rope_scaling,
                                                        config.rope_theta, config.rotary_dim)
+        self._mrope_axes = rope.mrope_axes(config.mrope_section, self.inv_freq.shape[0])
         self._fused = self._fuse_projections()
         self._gain = self._decode_constants()
         self._k = [f"layers.{i}." for i in range(len(config.layer_types))]
@@ -217,9 +228,21 @@ class HybridModel:
         config = HybridConfig.from_dict(raw)
         fp8 = quant.read_quantization(raw)
         dtype = dtype or _dtype(config.dtype)
-        weights, report = checkpoint.read_weights(
-            model_dir, lambda name: _model_name(name, config), dtype, fp8)
-        model = cls(config, weights, dtype=dtype, source=model_dir)
+        with_tower = isinstance(raw.get("vision_config"), dict)
+
+        def rename(name: str) -> str | None:
+            if with_tower and (inside := vision.visual_name(name)) is not None:
+                return "visual." + inside
+            return _model_name(name, config)
+
+        weights, report = checkpoint.read_weights(model_dir, rename, dtype, fp8)
+        images = None
+        if with_tower:
+            tower = {k[len("visual."):]: weights.pop(k) for k in list(weights)
+                     if k.startswith("visual.")}
+            images = vision.ImageSupport.load(model_dir, raw, tower, dtype)
+            del tower
+        model = cls(config, weights, dtype=dtype, source=model_dir, images=images)
         del weights  # what the model did not take over (it stacks the experts as it frees them)
         held = {t.data_ptr(): t for t in model.w.values()}.values()  # tied: one tensor
         log.info("checkpoint_loaded", model_type=config.model_type,
@@ -228,7 +251,8 @@ class HybridModel:
                  nbytes=sum(t.numel() * t.element_size() for t in held),
                  files=report.files, tensors=report.tensors, skipped_tensors=report.skipped,
                  quantization=fp8.describe() if fp8 else "none",
-                 dequantized_tensors=report.dequantized)
+                 dequantized_tensors=report.dequantized,
+                 vision_tower=images.describe() if images else "none")
         return model
 
     def _expected_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -352,7 +376,7 @@ class HybridModel:
             "dtype": str(self.dtype),
             "weights": self._weights_digest,
             "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), moe, reference,
-                                          decode_ops),
+                                          decode_ops, *((vision,) if self.images else ())),
         }
 
     # -- forward ---------------------------------------------------------------------------
@@ -366,16 +390,50 @@ class HybridModel:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return cos.to(self.dtype), sin.to(self.dtype)
 
+    def _mrope(self, positions: torch.Tensor):
+        """cos and sin at 3-D positions ``[3, n]``: each frequency turned by the axis
+        rope.mrope_axes gives it. Where a row's three ids are equal these are _rope's bits
+        (the same products, picked rather than recomputed)."""
+        n = positions.shape[1]
+        freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq[None, None, :]
+        axes = self._mrope_axes[None, None, :].expand(1, n, -1)
+        freqs = torch.gather(freqs, 0, axes)[0]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos.to(self.dtype), sin.to(self.dtype)
+
+    def embed(self, token_ids: torch.Tensor,
+              image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The input rows of ``token_ids``; ``image_rows`` ``(index, rows)`` put the tower's
+        rows in place of the placeholders' embeddings at those indices."""
+        x = F.embedding(token_ids, self.w["embed_tokens.weight"])
+        if image_rows is not None:
+            index, rows_ = image_rows
+            x[index] = rows_.to(x.dtype)
+        return x
+
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
                 on_logits: Callable[[int, torch.Tensor], None] | None = None,
-                logits: bool = True) -> torch.Tensor | None:
+                logits: bool = True, *,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope_positions: torch.Tensor | None = None,
+                rope_offset: int = 0) -> torch.Tensor | None:
+        """As Model.forward; for a prompt with images (models/vision.py PromptImages.chunk)
+        ``image_rows`` replace placeholder embeddings and ``rope_positions`` ``[3, n]`` are the
+        chunk's 3-D positions, and ``rope_offset`` (the images' delta) shifts the rotary
+        position of rows after a prompt with images: rows at ``start + i`` turn as
+        ``start + i + rope_offset``. Without them the path is the text-only one, unchanged."""
         if decode:
             # The batched step at B = 1: a sequence decoded alone gets the bits it gets in a batch.
             if token_ids.shape[0] != 1:
                 raise ValueError(f"decode forwards one token, not {token_ids.shape[0]}")
-            return self.forward_batch([state], [int(token_ids[0])], [start])[0]
-        x = self._layers(state, token_ids, start, "prefill", None)
+            return self.forward_batch([state], [int(token_ids[0])], [start],
+                                      rope_offsets=[rope_offset] if rope_offset else None)[0]
+        x = self._layers(state, token_ids, start, "prefill", None, image_rows=image_rows,
+                         rope_positions=rope_positions, rope_offset=rope_offset)
         if not logits and on_logits is None:
             return None  # a prefill chunk before the last: the head reads the whole vocab matrix
         eps = self.config.rms_norm_eps
@@ -389,14 +447,14 @@ class HybridModel:
         last = rms_norm(x[-1:], self.w["norm.weight"], eps)
         return F.linear(last, self.w["lm_head.weight"]).float()[0]
 
-    def forward_verify(self, state: ModelState, token_ids: torch.Tensor,
-                       start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def forward_verify(self, state: ModelState, token_ids: torch.Tensor, start: int,
+                       rope_offset: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A speculative verify block in one forward: every position's logits ``[n, vocab]``
         and every position's sections (``gdn.S`` ``[n, ...]``, ``gdn.conv`` ``[n, ...]``: the
         state after that token). The K/V rows of all ``n`` positions are written; the sections
         in ``state`` are left as they were, for the engine to land the accepted position."""
         steps: dict[str, list[torch.Tensor]] = {"gdn.S": [], "gdn.conv": []}
-        x = self._layers(state, token_ids, start, "verify", steps)
+        x = self._layers(state, token_ids, start, "verify", steps, rope_offset=rope_offset)
         normed = rms_norm(x, self.w["norm.weight"], self.config.rms_norm_eps)
         # W @ x^T rather than x @ W^T: for the few rows of a block, CPU BLAS streams the
         # 248k-row head once this way (16-25 ms for 2 to 9 rows on 2 cores, as one row's
@@ -407,11 +465,20 @@ class HybridModel:
                         for name, per_layer in steps.items() if per_layer}
 
     def _layers(self, state: ModelState, token_ids: torch.Tensor, start: int, mode: str,
-                steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
+                steps: dict[str, list[torch.Tensor]] | None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                rope_positions: torch.Tensor | None = None,
+                rope_offset: int = 0) -> torch.Tensor:
         c = self.config
         num_tokens = token_ids.shape[0]
-        x = F.embedding(token_ids, self.w["embed_tokens.weight"])
-        cos, sin = self._rope(start, num_tokens)
+        x = self.embed(token_ids, image_rows)
+        if rope_positions is not None:
+            if tuple(rope_positions.shape) != (3, num_tokens):
+                raise ValueError(f"rope_positions {tuple(rope_positions.shape)} for "
+                                 f"{num_tokens} tokens")
+            cos, sin = self._mrope(rope_positions)
+        else:
+            cos, sin = self._rope(start + rope_offset, num_tokens)
         mask = self._causal_mask(start, num_tokens) if num_tokens > 1 else None
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
@@ -580,10 +647,13 @@ class HybridModel:
         return kernels.rows_linear(h, fused, self._wt[key]).split_with_sizes(sizes, 1)
 
     def forward_batch(self, states: list[ModelState], token_ids: list[int],
-                      positions: list[int]) -> torch.Tensor:
+                      positions: list[int],
+                      rope_offsets: list[int] | None = None) -> torch.Tensor:
         """One decode step for each of B independent sequences: token ``token_ids[b]`` at
         position ``positions[b]`` of ``states[b]`` (its rows below in place), whose row is
         written and sections advanced. Returns the fp32 logits ``[B, vocab]``.
+        ``rope_offsets[b]`` (a sequence whose prompt held images: their delta) shifts only the
+        rotary position; the row is still written at ``positions[b]``.
 
         Every projection, MLP and the head is one matmul over the B rows (the weights read once
         a step, kernels.rows_linear: a row's bits are its own); the conv, the recurrent step
@@ -608,7 +678,9 @@ class HybridModel:
             ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
             x = F.embedding(torch.tensor(ids, dtype=torch.long), embed)
         rows = x.shape[0]
-        pos = torch.tensor(positions, dtype=torch.float32)
+        turns = positions if rope_offsets is None else [p + o for p, o in
+                                                          zip(positions, rope_offsets)]
+        pos = torch.tensor(turns, dtype=torch.float32)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)

@@ -6,11 +6,12 @@ Refused: ``dynamic`` (NTK) and ``longrope`` recompute the frequencies from the l
 sequence at each call, so a row's rotation would depend on how long the prompt was when it was
 computed and a cached row could not be reused; ``llama3`` and the rest are other families'.
 
-mRoPE (``mrope_section``, ``mrope_interleaved`` in Qwen3.5's ``rope_parameters``) splits the
-rotary frequencies into temporal, height and width sections, each rotated by its own position
-id. For text every token's three ids are equal (transformers expands the one text position to
-all three), so the recomposed cos/sin are the 1-D ones whatever the sections: tandem, which
-serves text, accepts the fields and computes 1-D RoPE.
+mRoPE (``mrope_section`` in Qwen3.5's ``rope_parameters``) gives each rotary frequency one of
+three position ids, temporal, height or width, interleaved as Qwen3.5 interleaves them
+(``mrope_axes``). For text every token's three ids are equal (transformers expands the one text
+position to all three), so the recomposed cos/sin are the 1-D ones whatever the sections: a
+text row is computed by the 1-D path, and only a chunk that holds an image's rows takes the
+three ids (models/vision.py).
 """
 
 from __future__ import annotations
@@ -100,3 +101,29 @@ def _yarn(p: dict, theta: float, dim: int) -> tuple[torch.Tensor, float]:
     pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv, float(attention)
+
+
+# transformers' Qwen3_5TextRotaryEmbedding default, for a config that names no sections
+DEFAULT_MROPE_SECTION = (11, 11, 10)
+
+
+def read_mrope_section(cfg: dict) -> tuple[int, ...]:
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    section = rope.get("mrope_section") if isinstance(rope, dict) else None
+    if section is None:
+        return DEFAULT_MROPE_SECTION
+    if len(section) != 3 or any(int(v) < 0 for v in section):
+        raise ModelError(f"config.json rope_parameters.mrope_section {section!r} is not three "
+                         f"counts (temporal, height, width)")
+    return tuple(int(v) for v in section)
+
+
+def mrope_axes(section: tuple[int, ...], num_freqs: int) -> torch.Tensor:
+    """Which position id (0 temporal, 1 height, 2 width) turns each of the ``num_freqs``
+    frequencies, as transformers' recomposition_frequencies lays them: frequency j takes height
+    where j % 3 == 1 and j < 3 * section[1], width where j % 3 == 2 and j < 3 * section[2], and
+    temporal everywhere else."""
+    axes = torch.zeros(num_freqs, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis:min(3 * section[axis], num_freqs):3] = axis
+    return axes

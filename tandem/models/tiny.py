@@ -5,6 +5,11 @@ and tandem's chat template), drawn from a fixed seed, so the default goes throug
 as a real checkpoint and is the same on every machine. Sized so that a cold 32k prefill takes
 several seconds on 2 cores (the caches have something to save) and a few hundred tokens well
 under a second.
+
+It carries a small random vision tower (``model.visual.*``, Qwen3.5's layout and patch size) and
+its image processor's preprocessor_config.json, so the embedded default reads images too. The
+tower is drawn from a generator of its own: the language model's tensors are the ones version 1
+drew, bit for bit, and so is its text.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 TINY_NAME = "tiny"
-TINY_VERSION = 1  # bump when the recipe changes: the folder name carries it
+TINY_VERSION = 2  # bump when the recipe changes: the folder name carries it (2: the tower)
 TINY_SEED = 20261129
 VOCAB_SIZE = 248320  # Qwen3.5's padded vocabulary: 248,044 ranks + specials, rounded up
 
@@ -52,6 +57,42 @@ TINY_CONFIG = {
     "eos_token_id": 248046,
     "bos_token_id": None,
     "pad_token_id": None,
+}
+
+# The tower: Qwen3.5's patch, temporal patch and merge sizes, narrow and two blocks deep.
+TINY_VISION_CONFIG = {
+    "model_type": "qwen3_5_vision",
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": TINY_CONFIG["hidden_size"],
+    "num_position_embeddings": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+}
+# What the written config.json adds to TINY_CONFIG for images: the tower, Qwen3.5's placeholder
+# ids, and mRoPE's sections over tiny's 4 rotary frequencies (temporal 2, height 1, width 1).
+TINY_IMAGE_FIELDS = {
+    "vision_config": TINY_VISION_CONFIG,
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054,
+    "rope_parameters": dict(TINY_CONFIG["rope_parameters"], mrope_section=[2, 1, 1]),
+}
+# An image is 16 to 256 prompt rows: 128 x 128 to 512 x 512 pixels after the resize.
+TINY_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "do_convert_rgb": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "rescale_factor": 1 / 255, "resample": 3,
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "size": {"shortest_edge": 128 * 128, "longest_edge": 512 * 512},
 }
 
 log = structlog.get_logger()
@@ -88,6 +129,33 @@ def _weights(config: dict) -> dict[str, torch.Tensor]:
     return {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in out.items()}
 
 
+def _vision_weights(vision: dict) -> dict[str, torch.Tensor]:
+    """The tower's tensors in name order from a generator of its own (the text's draws stay
+    what they were)."""
+    from tandem.models.vision import VisionConfig
+
+    shapes = VisionConfig.from_dict(vision).expected_shapes()
+    gen = torch.Generator().manual_seed(TINY_SEED + 1)
+    out = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") \
+                or name == "merger.norm.weight":
+            out[name] = 1.0 + torch.randn(shape, generator=gen) * 0.1  # LayerNorm gains
+        elif len(shape) == 1:  # biases
+            out[name] = torch.randn(shape, generator=gen) * 0.02
+        elif name == "pos_embed.weight":
+            out[name] = torch.randn(shape, generator=gen) * 0.1
+        else:
+            fan_in = 1
+            for d in shape[1:]:
+                fan_in *= d
+            # the merger's output sits beside embeddings of 0.05: keep its rows that size
+            gain = 0.1 if name == "merger.linear_fc2.weight" else 1.0
+            out[name] = torch.randn(shape, generator=gen) * fan_in ** -0.5 * gain
+    return {"model.visual." + k: v for k, v in out.items()}
+
+
 def tiny_dir(models_dir: Path) -> Path:
     return Path(models_dir) / f"{TINY_NAME}-v{TINY_VERSION}"
 
@@ -102,9 +170,11 @@ def ensure_tiny(models_dir: Path) -> Path:
     try:
         from tandem.models.tokenizer import write_qwen_tokenizer
 
-        (tmp / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
-        weights = _weights(TINY_CONFIG)
+        (tmp / "config.json").write_text(json.dumps(dict(TINY_CONFIG, **TINY_IMAGE_FIELDS),
+                                                    indent=2))
+        weights = dict(_weights(TINY_CONFIG), **_vision_weights(TINY_VISION_CONFIG))
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2))
         write_qwen_tokenizer(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": [248046, 248044], "do_sample": False}, indent=2))

@@ -80,3 +80,37 @@ def test_tandem_generate_names_a_bad_model_folder(home, tmp_path):
     assert out.returncode == 2
     assert "neither 'tiny' nor a checkpoint directory" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_tiny_reads_images_and_its_language_model_is_the_one_version_1_drew(home):
+    """The tower was added from a generator of its own: every text tensor in the file is what
+    the text recipe draws (version 1's), so tiny's text is the same bits."""
+    import numpy as np
+    import torch
+    from safetensors import safe_open
+
+    from tandem.models import image_processor
+    from tandem.models.tiny import TINY_CONFIG, TINY_IMAGE_FIELDS, _weights
+
+    path = ensure_tiny(home / "models")
+    loaded = load_model("tiny", home / "models")
+    text = _weights(TINY_CONFIG)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        assert names - set(text) and all(n.startswith("model.visual.") for n in names - set(text))
+        for name, want in text.items():
+            assert torch.equal(f.get_tensor(name), want), name
+    images = loaded.model.images
+    assert images is not None
+    for token in ("image", "vision_start", "vision_end"):
+        pad = "<|image_pad|>" if token == "image" else f"<|{token}|>"
+        assert getattr(images, f"{token}_token_id") == TINY_IMAGE_FIELDS[f"{token}_token_id"] \
+            == loaded.tokenizer.special_ids[pad]
+    # the smallest image the processor makes, 128 x 128: 64 patches, 16 rows of tiny's width
+    rgb = np.random.default_rng(0).integers(0, 256, (100, 100, 3), dtype=np.uint8)
+    from PIL import Image
+
+    pre = image_processor.preprocess(Image.fromarray(rgb), images.processor)
+    assert pre.grid == (1, 8, 8) and pre.num_tokens == 16
+    rows = images.tower.encode(pre.pixel_values, pre.grid)
+    assert rows.shape == (16, TINY_CONFIG["hidden_size"]) and torch.isfinite(rows).all()
