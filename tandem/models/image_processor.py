@@ -51,6 +51,10 @@ class ImageError(ValueError):
     """An image that cannot be decoded or preprocessed; the message names why (never pixels)."""
 
 
+class ImageTooLarge(ImageError):
+    """An image whose header claims more pixels than allowed (read before any pixel is)."""
+
+
 @dataclass(frozen=True)
 class ImageProcessorConfig:
     patch_size: int
@@ -167,7 +171,7 @@ def decode(data: bytes, max_pixels: int = MAX_DECODED_PIXELS,
         image = Image.open(io.BytesIO(data), formats=formats)
         width, height = image.size
         if width * height > max_pixels:
-            raise ImageError(f"an image of {width}x{height} pixels is over the limit of "
+            raise ImageTooLarge(f"an image of {width}x{height} pixels is over the limit of "
                              f"{max_pixels} pixels")
         image.seek(0)  # an animation's first frame
         image.load()

@@ -12,8 +12,9 @@ Decoding runs on a worker thread (``asyncio.to_thread``), never on the event loo
 JPEG takes a core for a while. The pixel limit is checked on the header's size before any pixel
 is decoded, so a small file that claims a huge canvas (a decompression bomb) costs nothing.
 
-A transparent image is composited on white, as transformers' ``convert_to_rgb`` does before the
-Qwen image processor, so the tower sees the pixels the reference would.
+The decoder is the image processor's (tandem.models.image_processor.decode): a transparent
+image is composited on white as transformers' ``convert_to_rgb`` does, so the tower sees the
+pixels the reference would.
 
 Nothing here logs a URL, a byte or a pixel: the journal counts images, never what they show.
 """
@@ -23,19 +24,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import io
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 import msgspec
 import numpy as np
 
+from tandem.models.image_processor import ImageError, ImageTooLarge, decode
 from tandem.server.errors import bad_request
 
-ImageFormat = Literal["PNG", "JPEG", "WEBP", "GIF"]
-FORMATS: frozenset[str] = frozenset(("PNG", "JPEG", "WEBP", "GIF"))
 _DATA_URL = re.compile(r"data:(?P<media>[\w.+-]+/[\w.+-]+)?(?P<params>(;[^;,]*)*),", re.ASCII)
 _WHITESPACE = re.compile(rb"\s+")
 FETCH_CHUNK = 64 * 1024
@@ -72,7 +71,12 @@ class DecodedImage(msgspec.Struct, frozen=True, kw_only=True):
     width: int
     height: int
     nbytes: int             # the encoded bytes
-    rgb: Any                # numpy uint8 (height, width, 3)
+    image: Any              # an RGB PIL image, as image_processor.preprocess takes it
+
+    @property
+    def rgb(self) -> np.ndarray:
+        """The pixels, uint8 (height, width, 3)."""
+        return np.asarray(self.image, dtype=np.uint8)
 
 
 def image_parts(messages: Any) -> list[ImagePart]:
@@ -188,31 +192,23 @@ async def fetch_image(url: str, where: str, limits: ImageLimits,
 
 
 def decode_image(data: bytes, where: str, limits: ImageLimits) -> DecodedImage:
-    """The RGB pixels of an encoded image (a worker thread's job). GIF: its first frame."""
-    from PIL import Image, UnidentifiedImageError
-
+    """The RGB image of an encoded one (a worker thread's job), decoded by the image
+    processor's own decoder (tandem.models.image_processor.decode: GIF's first frame, alpha on
+    white); its refusals become a 400 that says which of corrupt, unsupported or too large."""
     try:
-        with Image.open(io.BytesIO(data), formats=sorted(FORMATS)) as image:
-            width, height = image.size
-            if width < 1 or height < 1:
-                raise bad_request(f"{where}: the image has no pixels", where, "invalid_image")
-            if width * height > limits.max_pixels:
-                raise bad_request(f"{where}: the image is {width}x{height}, over "
-                                  f"{limits.max_pixels} pixels", where, "image_too_large")
-            fmt = image.format or ""
-            image.seek(0)
-            rgb = to_rgb(image)
-    except UnidentifiedImageError:
-        if sniff(data) is None:
+        image = decode(data, limits.max_pixels)
+    except ImageTooLarge as e:
+        raise bad_request(f"{where}: {e}", where, "image_too_large") from None
+    except ImageError as e:
+        fmt = sniff(data)
+        if fmt is None:
             raise bad_request(f"{where}: not a PNG, JPEG, WebP or GIF image", where,
                               "unsupported_image") from None
-        raise bad_request(f"{where}: the {sniff(data)} image is corrupt", where,
+        raise bad_request(f"{where}: the {fmt} image is corrupt ({e})", where,
                           "invalid_image") from None
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
-        raise bad_request(f"{where}: the image is corrupt or truncated ({type(e).__name__})",
-                          where, "invalid_image") from None
-    return DecodedImage(where=where, format=fmt, width=width, height=height, nbytes=len(data),
-                        rgb=rgb)
+    width, height = image.size
+    return DecodedImage(where=where, format=sniff(data) or "", width=width, height=height,
+                        nbytes=len(data), image=image)
 
 
 def sniff(data: bytes) -> str | None:
@@ -227,15 +223,3 @@ def sniff(data: bytes) -> str | None:
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
     return None
-
-
-def to_rgb(image: Any) -> np.ndarray:
-    """uint8 (height, width, 3); a mode with alpha (or a palette with transparency) composited on
-    white, as transformers' convert_to_rgb does."""
-    from PIL import Image
-
-    if image.mode == "RGB":
-        return np.asarray(image, dtype=np.uint8).copy()
-    rgba = image.convert("RGBA")
-    white = Image.new("RGBA", rgba.size, (255, 255, 255))
-    return np.asarray(Image.alpha_composite(white, rgba).convert("RGB"), dtype=np.uint8).copy()
