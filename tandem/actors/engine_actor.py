@@ -1793,6 +1793,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         its end through call_soon_threadsafe too, so it comes after them)."""
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
+            self._slot_used_s[job.slot] = self.clock.monotonic()  # the prewarm's in-use rule
             self._slot_namespace[job.slot] = plan.resident.namespace
             if plan.disk_plan is not None and not job.disk_told:
                 job.disk_told = True
