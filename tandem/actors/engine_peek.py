@@ -197,7 +197,8 @@ class EnginePeek:
         if report.nbytes_read and seconds > 0:
             self._restore_rates.append(report.nbytes_read / seconds)
         return answer(prewarmed=True, saved=saved, restore={
-            "slot": slot, "line": report.line, "blocks_read": report.blocks_read,
+            "slot": slot, "entry": report.entry_id[:12], "line": report.line,
+            "blocks_read": report.blocks_read,
             "blocks_in_place": report.blocks_in_place, "nbytes": report.nbytes_read,
             "ms": round(seconds * 1000.0, 3)})
 
