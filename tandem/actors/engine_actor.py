@@ -61,6 +61,7 @@ from tandem.actors.engine_messages import (
     GenerationRejected,
     GenerationStarted,
     ListConversations,
+    Peek,
     PrefillAdmitted,
     PromptLogprobs,
     ReleaseCaptureLock,
@@ -74,6 +75,7 @@ from tandem.actors.compaction_messages import FindSessionRecord
 from tandem.actors.disk_messages import DiskJob, Fence
 from tandem.actors.engine_compaction import EngineCompaction
 from tandem.actors.engine_idle import EngineIdle
+from tandem.actors.engine_peek import EnginePeek
 from tandem.actors.engine_spill import EngineSpill
 from tandem.actors.governor import TierHeld
 from tandem.actors.mailbox import MailboxFull
@@ -267,7 +269,7 @@ class _Outside:
         self.grant_id = grant_id
 
 
-class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
+class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
     def __init__(self, name: str = "engine", *, make_engine: Callable[[], Engine],
                  make_resident: Callable[[Engine], ResidentPrefix] | None = None,
                  make_store: Callable[[Engine], StateStore] | None = None,
@@ -361,6 +363,7 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
         self.disk_writer = disk_writer
         self._init_spill(make_spill, spill_writer, spill_min_tokens, spill_park_min_tokens)
         self._init_idle()
+        self._init_peek()
         self._last_slot = 0  # the slot the last plan placed in
         # The jobs running (admitted, in a slot), and the one whose plan is made or whose
         # prefill runs: prefills run one at a time, each's plan made when the one before it
@@ -717,6 +720,8 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
                 return await self._read_spill()
             case ListConversations():
                 return await self._list_conversations()
+            case Peek():
+                return await self._peek(msg)
             case FindSessionRecord():
                 return await self._session_record(msg)
             case RequestCaptureLock(holder=holder, reply_to=reply_to):
@@ -1788,6 +1793,7 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
         its end through call_soon_threadsafe too, so it comes after them)."""
         plan = self._plans.pop(job.request_id, None)
         if plan is not None:
+            self._slot_used_s[job.slot] = self.clock.monotonic()  # the prewarm's in-use rule
             self._slot_namespace[job.slot] = plan.resident.namespace
             if plan.disk_plan is not None and not job.disk_told:
                 job.disk_told = True

@@ -307,3 +307,45 @@ class EngineFaulted(Message):
     """Sender: the engine actor to itself, when its thread raised a fatal error (see
     engine_actor._fatal); handling it re-raises that exception, so the supervisor stops the
     system."""
+
+
+# -- peek and prewarm (spec: "Peek and prewarm") ----------------------------------------------
+
+
+class Peek(Message):
+    """Sender: the server (POST /v1/cache/peek, /v1/cache/prewarm). Receiver: the engine, which,
+    while no generation runs or waits, makes the plan a `Generate` of ``prompt_ids`` would get
+    (the tiers' offers, the alignment, the store's, the disk tier's and the spill's) without
+    running, lending for long, counting or moving anything, and answers `Peeked`; ``busy``
+    otherwise. ``prewarm``: when the plan resumes from the spill, its entry is read into the
+    slot as that request would read it (tandem/actors/engine_peek.py)."""
+
+    prompt_ids: list[int]
+    session: str | None = None  # the hashed session key
+    namespace: str = ""
+    side: bool = False
+    prewarm: bool = False
+
+
+class Peeked(Message):
+    """Reply to `Peek`. ``busy``: a generation runs or waits (``waiting``: generations waiting
+    for the engine, when the route answers 409 at once) or a prewarm runs; nothing was asked.
+    Otherwise where the plan resumes: ``source`` (tandem.cache.vocabulary) and its ``tier``,
+    ``cached_tokens`` (the line, in the served prompt's positions), ``reread_tokens``,
+    ``tokens`` (the served prompt's), ``restore_ms`` (the NVMe's or the disk's read),
+    ``reread_eta_ms`` (the re-read at the median rate of the last long prefills, plus the
+    read) and the ``slot``. ``prewarm``: the prewarm's answer (``prewarmed``, ``why``,
+    ``restore``), for a `Peek` with ``prewarm`` set."""
+
+    busy: bool = False
+    waiting: int = 0
+    retry_after_s: float = 0.0
+    source: Source = "cold"
+    tier: str = "none"
+    cached_tokens: int = 0
+    reread_tokens: int = 0
+    tokens: int = 0
+    restore_ms: float = 0.0
+    reread_eta_ms: float = 0.0
+    slot: int | None = None
+    prewarm: dict[str, Any] | None = None

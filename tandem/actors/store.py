@@ -41,6 +41,8 @@ class StoreOffer(Message):
 
     prompt_ids: list[int]
     namespace: str = SHARED  # tandem.cache.namespace: a digest, never the client's salt
+    # A peek (POST /v1/cache/peek): the start alone, no entry lent, nothing counted.
+    peek: bool = False
 
 
 class StoreOffered(Message):
@@ -181,6 +183,8 @@ class StoreActor(Actor):
     def _handle(self, msg: Message) -> object | None:
         core = self.core
         match msg:
+            case StoreOffer(peek=True):
+                return StoreOffered(core.peek(msg.prompt_ids, Namespace(msg.namespace)))
             case StoreOffer():
                 start, entry = core.offer(msg.prompt_ids, Namespace(msg.namespace))
                 return StoreOffered(start, entry)

@@ -43,6 +43,9 @@ class OfferTiers(Message):
     park_session: str | None = None
     side: bool = False  # a side request (tandem/server/side.py): placed and kept as slots.py says
     own_slot: bool = False  # a side request placed in its session's slot (idle work)
+    # A peek (POST /v1/cache/peek): the offer and the loan as a request's, counted nowhere
+    # (no placement, use or loan is counted), given back with a GenerationEnded as ever.
+    peek: bool = False
 
 
 class ResidentOffered(Message):

@@ -50,11 +50,11 @@ class _Lender(Actor):
         self.anchors_written = 0
         self._stats = self._statistics()
 
-    def _lend(self, request_id: str) -> Any:
+    def _lend(self, request_id: str, peek: bool = False) -> Any:
         if self.lent_to is not None:
             raise TierLendingError(f"{self.name} is lent to {self.lent_to} already")
         self.lent_to = request_id
-        self.lent_total += 1
+        self.lent_total += not peek  # a peek's loan is counted nowhere
         return self.holdings
 
     def _take_back(self, msg: GenerationEnded) -> None:
@@ -155,13 +155,14 @@ class ResidentActor(_Lender):
         self.holdings = self.slots[placed.slot]
         self.lent[placed.slot] = msg.request_id
         self.lent_to = msg.request_id
-        self.lent_total += 1
         holdings = self.holdings
-        if not msg.side:
-            # A side request keeps nothing: the slot it ran in is no more recently used.
-            self._clock += 1
-            self.used[placed.slot] = self._clock
-        self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
+        if not msg.peek:  # a peek counts nothing: no loan, no use, no placement
+            self.lent_total += 1
+            if not msg.side:
+                # A side request keeps nothing: the slot it ran in is no more recently used.
+                self._clock += 1
+                self.used[placed.slot] = self._clock
+            self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
         offer = placed.offer
         r = offer.resume
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
@@ -263,7 +264,7 @@ class ParkActor(_Lender):
                            Namespace(msg.rows_namespace))
         parked = self.holdings.park.parked
         return ParkOffered(msg.request_id, offer.pin_point, offer.park_point,
-                           self._lend(msg.request_id),
+                           self._lend(msg.request_id, msg.peek),
                            park_session=parked.session if parked is not None else None)
 
     def _check(self, rows: list[int]) -> None:

@@ -68,13 +68,15 @@ class EndRecords:
                 return self.aligned_to_store(candidate)
         return None
 
-    def align_in_place(self, prompt: list[int], namespace: Namespace = SHARED
+    def align_in_place(self, prompt: list[int], namespace: Namespace = SHARED, *,
+                       count: bool = True
                        ) -> tuple[Alignment | None, Iterator[tuple[Alignment, list[int]]]]:
         """``align``'s first half, which asks nobody: the alignment with an end in place or
         parked (counted), else the recent turns' alignments, newest first, each with the rows
         the store must hold as a session snapshot for it to be served
         (``aligned_to_store`` once the store said it does). The recent ones are made as they
-        are read: a caller that stops at the first the store holds aligns no further."""
+        are read: a caller that stops at the first the store holds aligns no further.
+        ``count`` False: nothing is counted (a peek's)."""
         resident = self.resident
         candidates = []
         if self.end_record(resident.end, resident.namespace, namespace) is not None:
@@ -87,7 +89,7 @@ class EndRecords:
         for record in candidates:
             alignment = self._align(record, prompt)
             if alignment is not None:
-                return self._count(alignment), iter(())
+                return (self._count(alignment) if count else alignment), iter(())
         if not self.store_backed:
             return None, iter(())
         return None, self._recent_alignments(prompt, namespace, candidates)

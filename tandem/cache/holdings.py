@@ -37,7 +37,7 @@ class Resume:
     logits: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
-    def tier(self) -> Tier | None:
+    def tier(self) -> Tier:
         return tier_of(self.source)
 
 

@@ -148,6 +148,20 @@ class StoreCore:
         self.stats.misses += 1
         return 0, None
 
+    def peek(self, prompt_ids: list[int], namespace: Namespace = SHARED) -> int:
+        """Where ``offer`` would resume the prompt (0: nowhere), with nothing leased, counted
+        or moved in the LRU order (a peek's)."""
+        prompt = list(prompt_ids)
+        limit = len(prompt) - 1
+        for n in sorted({e.n for e in self._entries.values()}, reverse=True):
+            if n > limit:
+                continue
+            head = prompt[:n]
+            for entry in self._buckets.get((namespace, self.hash_fn(head)), ()):
+                if entry.n == n and entry.namespace == namespace and entry.key_ids == head:
+                    return n
+        return 0
+
     def release(self, entry: StoreEntry, hit: bool) -> None:
         """The engine is done with an offered entry; ``hit``: it restored it."""
         key = id(entry)

@@ -72,7 +72,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import msgspec
 import numpy as np
@@ -335,6 +335,12 @@ class SpillReadFailed(SpillError):
         self.entry_id = entry
         self.detail = detail
         self.intact_below = intact_below
+
+
+class SpillStopped(SpillError):
+    """A restore given ``stop`` stopped between two files because it said so (a request came
+    during a prewarm): nothing of the rows in place was written, nor the sections; the entry
+    stays as it was, unused."""
 
 
 class SpillWriteFailed(SpillError):
@@ -921,22 +927,28 @@ class SessionSpill:
     # -- restore --------------------------------------------------------------------------
 
     def restore(self, eid: str, state: CacheState, rows_in_place: Sequence[int], *,
-                line: int | None = None, now: float | None = None) -> RestoreReport:
+                line: int | None = None, now: float | None = None,
+                stop: Callable[[], bool] | None = None) -> RestoreReport:
         """Write the entry back into ``state`` up to ``line`` (default: its end anchor, else its
         highest grid anchor): every block below ``line`` the rows in place do not already hold,
         and the sections at ``line``. Every block read is summed again before a row of it is
         written, and every anchor before it is returned. On a bad file: ``SpillReadFailed``,
         the entry deleted, the rows below ``intact_below`` untouched. Under ``io_lock`` (the
-        engine thread may call it beside the spill writer's save: it waits for it)."""
+        engine thread may call it beside the spill writer's save: it waits for it).
+
+        ``stop`` (a prewarm's): asked before each file; True raises ``SpillStopped``. With it,
+        the blocks over rows in place are held in their own buffers and written only once every
+        file is read and checked, so that a stop leaves the rows in place as they were (the
+        blocks above them go in as they are read: no read sees a row above the length)."""
         t = time.perf_counter()
         with self.io_lock:
             lock_ms = _ms(t)
             return self._restore(eid, state, rows_in_place, line=line, now=now, t_all=t,
-                                 lock_ms=lock_ms)
+                                 lock_ms=lock_ms, stop=stop)
 
     def _restore(self, eid: str, state: CacheState, rows_in_place: Sequence[int], *,
                  line: int | None, now: float | None, t_all: float,
-                 lock_ms: float) -> RestoreReport:
+                 lock_ms: float, stop: Callable[[], bool] | None = None) -> RestoreReport:
         now = self.wall() if now is None else now
         with self._lock:
             e = self._index.get(eid)
@@ -992,7 +1004,10 @@ class SessionSpill:
                 anchors: dict[int, SectionsCopy] = {}
                 end_copy: SpillEnd | None = None
                 t_anchors = time.perf_counter()
+                held: list[tuple[FileRecord, list[torch.Tensor]]] = []  # over rows in place
                 for i, f in enumerate(files):
+                    if stop is not None and stop():
+                        raise SpillStopped(f"stopped before file {i} of {len(files)}")
                     got = fetch(i)
                     ms["read"] += got.read_ms
                     ms["decode"] += got.decompress_ms
@@ -1002,6 +1017,9 @@ class SessionSpill:
                                                dtype=v.tensor.dtype, device=v.tensor.device)
                                    for lv, v in zip(m.views, view_list)]
                         self._check_file(f, got, scratch, ms)
+                        if stop is not None and f.start < len(rows_in_place):
+                            held.append((f, scratch))
+                            continue
                         t = time.perf_counter()
                         for v, s in zip(view_list, scratch):
                             v.rows(f.start, f.stop).copy_(s)
@@ -1026,6 +1044,11 @@ class SessionSpill:
             log.warning("spill_restore_failed", eid=eid[:12], why=reason)
             self.delete(eid)
             raise SpillReadFailed(reason, eid, str(exc), intact_below) from None
+        t = time.perf_counter()
+        for f, scratch in held:  # every file checked: the rows in place may go now
+            for v, s in zip(view_list, scratch):
+                v.rows(f.start, f.stop).copy_(s)
+        ms["copy"] += _ms(t)
         source = end_copy.sections if (m.end is not None and line == m.end.file.stop) \
             else anchors[line].tensors
         for name, t in state.sections.items():

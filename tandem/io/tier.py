@@ -239,9 +239,10 @@ class DiskTier:
         return DiskPlan(self.grid)
 
     def offer(self, prompt_ids: Sequence[int], namespace: Namespace, *,
-              start: int) -> DiskOffer | None:
+              start: int, count: bool = True) -> DiskOffer | None:
         """The longest usable anchor at a line above ``start`` and below the prompt's last token
-        (a prefill forwards at least one), or None."""
+        (a prefill forwards at least one), or None. ``count`` False: a miss is not counted (a
+        peek's)."""
         g = self.grid
         top = len(prompt_ids) - 1
         if top < g or top // g * g <= start:
@@ -252,7 +253,7 @@ class DiskTier:
                 return None
             hit = self.index.longest_anchor(chain)
             if hit is None or hit.line <= start:
-                self.counters["misses"] += 1
+                self.counters["misses"] += count
                 return None
             first = start // g
             keys = tuple(chain[first:hit.line // g])

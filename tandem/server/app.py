@@ -71,6 +71,7 @@ from tandem.server.keys import (
 from tandem.server.memory_routes import add_memory, add_memory_routes
 from tandem.server.metrics import CONTENT_TYPE, Metrics
 from tandem.server.openai_routes import add_openai_routes, template_report
+from tandem.server.peek_routes import add_peek_routes
 from tandem.server.sessions import load_secret
 from tandem.server.state import STATE, SamplingDefaults, ServerState
 
@@ -252,6 +253,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     add_memory_routes(app)
     add_disk_routes(app)
     add_tokenize_routes(app)
+    add_peek_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_route)
     app.router.add_get("/v1/cache/stats", cache_stats)

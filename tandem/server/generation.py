@@ -507,6 +507,7 @@ class Run:
             route=self.route, prompt_tokens=prompt, completion_tokens=self.completion_tokens,
             cached_tokens=cached, reread_tokens=self.result.reread_tokens if ran else 0,
             cache_source=self.cache_source if ran else None,
+            cache_tier=tier_of(self.engine_source) if ran else None,
             ttft_ms=None if self.ttft_ms is None else round(self.ttft_ms, 3),
             decode_tok_s=round(self.result.decode_tok_s, 3) if ran else None,
             finish_reason=self.finish_reason, status=status, error=error_code,

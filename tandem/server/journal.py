@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import msgspec
 
-from tandem.cache.vocabulary import Source
+from tandem.cache.vocabulary import Source, Tier
 
 
 class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False):
@@ -33,6 +33,9 @@ class RequestRow(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=False)
     cached_tokens: int = 0
     reread_tokens: int = 0
     cache_source: Source | None = None  # cold, resident, end, prompt_end, pin, park; None: none ran
+    # The tier the rows came from, in the spec's names (tandem.cache.vocabulary.tier_of, as
+    # usage.tandem.cache.tier); None: none ran.
+    cache_tier: Tier | None = None
     ttft_ms: float | None = None
     decode_tok_s: float | None = None
     finish_reason: str | None = None

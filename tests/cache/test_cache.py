@@ -28,7 +28,7 @@ def test_a_prefix_snapshot_is_taken_at_the_longest_line_that_fits_and_resumes_bi
     rig.prefill(tokens(v, 300, 2))  # another prompt replaces the rows in place (no park)
     second = first[:280] + tokens(v, 60, 3)
     resume, logits = rig.prefill(second)
-    assert (resume.source, resume.start, resume.tier) == ("store", 256, "store")
+    assert (resume.source, resume.start, resume.tier) == ("store", 256, "ram_snapshot")
     engine, want = cold(model, second)
     assert torch.equal(logits, want)
     assert_bit_exact(rig.engine, engine, len(second))

@@ -1,25 +1,34 @@
-"""The caches' words: every source maps to one tier through tier_of, and no other word passes."""
+"""The caches' words: every source maps to one tier through tier_of (the spec's peek names),
+and no other word passes."""
 
 import pytest
 
-from tandem.cache.vocabulary import SOURCES, tier_of
+from tandem.cache.vocabulary import PEEK_TIERS, SOURCES, TIERS, tier_of
 
 
 def test_every_resident_source_is_the_resident_tier():
-    for source in ("engine", "resident", "prompt_end", "end", "pin", "park"):
+    for source in ("engine", "resident", "prompt_end", "end"):
         assert tier_of(source) == "resident"
 
 
-def test_the_store_the_disk_the_spill_and_the_response_cache_are_their_own_tiers():
-    assert tier_of("store") == "store"
-    assert tier_of("disk") == "disk"
-    assert tier_of("spill") == "spill"
-    assert tier_of("prepared") == "prepared"  # the preparer's summaries, no engine ran
-    assert tier_of("response") == "response"
-    assert tier_of("cold") is None
+def test_each_tier_of_rows_has_the_spec_s_peek_name():
+    assert tier_of("cold") == "none"
+    assert tier_of("park") == tier_of("pin") == "ram_park"
+    assert tier_of("store") == "ram_snapshot"
+    assert tier_of("spill") == "nvme_spill"
+    assert tier_of("disk") == "disk_tier"
+    assert set(PEEK_TIERS) == {"resident", "ram_park", "ram_snapshot", "nvme_spill",
+                               "disk_tier", "none"}
     assert set(SOURCES) == {"cold", "engine", "resident", "prompt_end", "end", "pin", "park",
                             "store", "disk", "spill", "response", "continuation",
                             "prepared"}
+
+
+def test_the_answers_kept_whole_keep_their_own_words_outside_the_peek_s_tiers():
+    assert tier_of("response") == "response"
+    assert tier_of("prepared") == "prepared"  # the preparer's summaries, no engine ran
+    assert {"response", "prepared"}.isdisjoint(PEEK_TIERS)
+    assert set(TIERS) == set(PEEK_TIERS) | {"response", "prepared"}
 
 
 def test_a_continuation_counts_as_the_resident_tier_by_itself():

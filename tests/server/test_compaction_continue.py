@@ -157,7 +157,7 @@ async def test_a_compaction_resumes_at_the_end_of_the_session_and_forwards_only_
     assert stats["compaction"]["continuations"] == stats["compaction"]["resumed"] == 1
     assert stats["compaction"]["guard_missed"] == 0
     row = [r for r in journal if r.get("route") == "chat"][-2]
-    assert row["cache_source"] == "continuation" and row["prompt_tokens"] == client_prompt
+    assert row["cache_source"] == "continuation" and row["cache_tier"] == "resident" and row["prompt_tokens"] == client_prompt
     assert row["extra"]["compaction"]["served"] == "continuation"
     assert row["extra"]["resumed_from"] == "end"
     assert SESSION not in json.dumps(journal)

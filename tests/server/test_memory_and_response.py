@@ -147,10 +147,10 @@ async def test_a_request_resumed_from_the_state_store_says_so_in_usage_and_journ
         await send(first)
         await send(list(range(3000, 3200)))  # replaces the rows in place
         cache = await send(first[:195] + list(range(5000, 5020)))
-        assert cache == {"tier": "store", "source": "store", "cached": 192, "reread": 23,
+        assert cache == {"tier": "ram_snapshot", "source": "store", "cached": 192, "reread": 23,
                          "slot": 0}
         rows = app[JOURNAL].tail(1)
-        assert rows[-1]["cache_source"] == "store" and rows[-1]["cached_tokens"] == 192
+        assert rows[-1]["cache_source"] == "store" and rows[-1]["cache_tier"] == "ram_snapshot" and rows[-1]["cached_tokens"] == 192
         async with aiohttp.ClientSession() as http:
             async with http.get(f"http://127.0.0.1:{server.port}/v1/cache/stats") as resp:
                 store = (await resp.json())["tiers"]["store"]

@@ -31,7 +31,7 @@ async def test_a_chat_completion_answers_with_reasoning_and_full_usage(server, s
     u = resp.usage
     assert u.completion_tokens == 5 and u.total_tokens == u.prompt_tokens + 5
     assert u.prompt_tokens_details.cached_tokens == 0
-    assert u.model_extra["tandem"]["cache"] == {"tier": None, "source": "cold", "cached": 0,
+    assert u.model_extra["tandem"]["cache"] == {"tier": "none", "source": "cold", "cached": 0,
                                                 "reread": u.prompt_tokens, "slot": 0}
 
 
@@ -136,6 +136,7 @@ async def test_the_journal_gets_one_row_per_request_without_user_text(server, sd
     key = load_secret(server.app[CONFIG].home_path())  # the home's: joinable across restarts
     assert ok["session"] == hash_session("conv-42", key) and len(ok["session"]) == 16
     assert ok["completion_tokens"] == 3 and ok["cache_source"] == "cold"
+    assert ok["cache_tier"] == "none"  # the usage frame's tier, in the spec's names
     assert ok["ttft_ms"] > 0 and ok["route"] == "chat" and ok["finish_reason"] == "length"
     assert rows[1]["session"] == hash_session("abc", key)
     text = journal.path.read_text()

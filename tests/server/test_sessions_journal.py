@@ -35,7 +35,7 @@ def test_the_journal_appends_rows_and_tails_the_newest_last(tmp_path):
     assert len(lines) == 5
     row = json.loads(lines[0])
     assert set(row) >= {"request_id", "t", "session", "route", "prompt_tokens",
-                        "completion_tokens", "cached_tokens", "reread_tokens", "cache_source",
+                        "completion_tokens", "cached_tokens", "reread_tokens", "cache_source", "cache_tier",
                         "ttft_ms", "decode_tok_s", "finish_reason", "status"}
 
 
