@@ -132,3 +132,48 @@ async def test_each_cache_tier_is_headed_with_the_name_the_peek_gives_it(tmp_pat
                 '(t) => [t.dataset.tier, t.querySelector("h3 span.tier-name").textContent]))')
             assert names.get("resident") == "resident \u00b7 ram_park"
             assert names.get("store") == "ram_snapshot"
+
+
+async def test_the_console_peeks_a_pasted_body_on_the_real_server_as_its_next_turn_would_go(
+        small_loaded, make_config, tmp_path):
+    # The answer the panel shows is the route's: a body never sent peeks none; once its first
+    # turn ran, the body of its next turn peeks resident with the line its usage then reports.
+    import aiohttp
+    import msgspec
+
+    from tandem.config import SpeculationConfig
+    from tandem.server.app import build_app
+
+    config = msgspec.structs.replace(make_config(window=2048),
+                                     speculation=SpeculationConfig(speculation="off"))
+    first = [{"role": "system", "content": "You keep a ledger of words. " * 30},
+             {"role": "user", "content": "Say one word."}]
+    head = {"model": "small", "max_tokens": 4, "temperature": 0,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    async with serve(build_app(config, small_loaded)) as base, chromium(tmp_path) as page, \
+            aiohttp.ClientSession(base) as http:
+        await page.call("Page.navigate", url=f"{base}/console")
+        await page.wait_for('document.getElementById("status").dataset.state === "live"')
+        await _paste(page, json.dumps({**head, "messages": first}), "s-7")
+        await page.evaluate('document.getElementById("peek-button").click()')
+        await page.wait_for('document.getElementById("peek-status").dataset.state === "ok"')
+        assert await page.evaluate(f"{FIELD % 'tier'}.dataset.value") == "none"
+
+        async with http.post("/v1/chat/completions", json={**head, "messages": first},
+                             headers={"x-session-id": "s-7"}) as resp:
+            answer = (await resp.json())["choices"][0]["message"]["content"]
+        after = first + [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": "And another."}]
+        await _paste(page, json.dumps({**head, "messages": after}), "s-7")
+        await page.evaluate('document.getElementById("peek-status").dataset.state = ""')
+        await page.evaluate('document.getElementById("peek-button").click()')
+        await page.wait_for('document.getElementById("peek-status").dataset.state === "ok"')
+        shown = await page.evaluate(
+            'Object.fromEntries([...document.querySelectorAll("#peek-result dd[data-field]")]'
+            '.map((d) => [d.dataset.field, d.dataset.value]))')
+        async with http.post("/v1/chat/completions", json={**head, "messages": after},
+                             headers={"x-session-id": "s-7"}) as resp:
+            cache = (await resp.json())["usage"]["tandem"]["cache"]
+        assert shown["tier"] == cache["tier"] == "resident"
+        assert int(shown["cached_tokens"]) == cache["cached"] > 0
+        assert int(shown["reread_tokens"]) == cache["reread"]
