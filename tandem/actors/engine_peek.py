@@ -181,8 +181,11 @@ class EnginePeek:
             if self._prewarm_stop.is_set():
                 return answer(why="yielded")
             reason = "evict" if len(rows) >= self.spill_min_tokens else "park"
-            skipped = await self._save_slot(slot, holdings, reason, request_id)
+            skipped = await self._save_slot(slot, holdings, reason, request_id,
+                                            stop=self._prewarm_stop.is_set)
             saved = {"rows": len(rows), "skipped": skipped or None}
+            if skipped == "stopped":  # between two files: the rows in place are the slot's
+                return answer(why="yielded", saved=saved)
         if self._prewarm_stop.is_set():
             return answer(why="yielded", saved=saved)
         await self._use_slot(slot)

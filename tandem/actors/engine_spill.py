@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import structlog
 
@@ -189,9 +189,11 @@ class EngineSpill:
         await self._save_slot(job.slot, holdings, reason, job.request_id)
 
     async def _save_slot(self, slot: int, holdings: Any, reason: str, request_id: str,
-                         used_at: float | None = None) -> str | None:
+                         used_at: float | None = None,
+                         stop: Callable[[], bool] | None = None) -> str | None:
         """One slot's conversation to the spill writer, waited for: what it skipped ("" when
-        written, None when there was nothing to write)."""
+        written, None when there was nothing to write; "stopped" when ``stop``, asked before
+        each file, said so)."""
         engine = self.engines[slot]
         if engine is None or not self._slot_rows[slot]:
             return None
@@ -202,7 +204,7 @@ class EngineSpill:
         if entry is None:
             return None
         msg = SpillSave(reason, slot, entry.entry_id, entry.state, entry.valid,
-                        entry.token_ids, entry.anchors, entry.end, entry.meta, used_at)
+                        entry.token_ids, entry.anchors, entry.end, entry.meta, used_at, stop)
         t = time.perf_counter()
         try:
             reply = await self.spill_writer.ask(msg, SPILL_SAVE_S, sender=self)

@@ -39,6 +39,9 @@ class SpillSave(Message):
     # When the conversation was last used (wall seconds; None: now): a parked one written at
     # the drain is older than the slots' in place, and the next start reads the newest first.
     used_at: float | None = None
+    # A prewarm's: asked before each file; True stops the save between two files and deletes
+    # the entry (its rows are still the slot's), answered with skipped "stopped".
+    stop: Any = None
 
 
 class SpillSaved(Message):
@@ -47,7 +50,7 @@ class SpillSaved(Message):
     entry gone); "off": the writer has no spill. ``report``: the SaveReport when written."""
 
     entry_id: str
-    skipped: Literal["", "guard", "budget", "failed", "off"]
+    skipped: Literal["", "guard", "budget", "failed", "off", "stopped"]
     report: Any = None
     ms: dict[str, float] = {}
 

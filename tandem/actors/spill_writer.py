@@ -37,7 +37,7 @@ from tandem.actors.spill_messages import (ClearSpill, DrainSpill, GetSpillStats,
                                           SpillCleared, SpillDrained, SpillRestore,
                                           SpillRestored, SpillSave, SpillSaved, SpillStats,
                                           SpillWriterFaulted)
-from tandem.io.spill import SessionSpill, SpillReadFailed, SpillWriteFailed
+from tandem.io.spill import SessionSpill, SpillReadFailed, SpillStopped, SpillWriteFailed
 from tandem.io.write_guard import WriteGuard
 from tandem.torch_thread import one_openmp_thread_here
 
@@ -67,7 +67,7 @@ class SpillWriterActor(Actor):
         self._fault: BaseException | None = None
         self.counters: dict[str, Any] = {
             "saves": 0, "unchanged": 0, "saves_by_reason": dict.fromkeys(REASONS, 0),
-            "skips": {"guard": 0, "budget": 0, "failed": 0, "off": 0},
+            "skips": {"guard": 0, "budget": 0, "failed": 0, "off": 0, "stopped": 0},
             "restores": 0, "restore_failures": 0, "failures": 0, "nbytes_written": 0,
             "blocks_written": 0, "blocks_kept": 0, "nbytes_read": 0, "sweeps": 0,
             "swept": 0, "clears": 0}
@@ -167,7 +167,10 @@ class SpillWriterActor(Actor):
         try:
             report = self.spill.save(msg.entry_id, msg.state, msg.valid, msg.token_ids,
                                      msg.anchors, msg.end, msg.meta, writer_ms=writer_ms,
-                                     now=msg.used_at)
+                                     now=msg.used_at, stop=msg.stop)
+        except SpillStopped:
+            self.counters["skips"]["stopped"] += 1
+            return SpillSaved(msg.entry_id, "stopped")
         except SpillWriteFailed as exc:
             # the spill logged it (spill_write_failed) and deleted what it had written
             self.counters["failures"] += 1

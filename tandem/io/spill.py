@@ -593,18 +593,21 @@ class SessionSpill:
     def save(self, eid: str, state: CacheState, valid: int, token_ids: Sequence[int],
              anchors: Mapping[int, SectionsCopy | Mapping[str, torch.Tensor]],
              end: SpillEnd | None, meta: EntryMeta, *, now: float | None = None,
-             writer_ms: float = 0.0) -> SaveReport:
+             writer_ms: float = 0.0, stop: Callable[[], bool] | None = None) -> SaveReport:
         """Write the conversation: rows ``[0, valid)`` of every view, the newest 4 of
         ``anchors`` (grid lines at or below ``valid``), ``end`` and ``meta``, keeping every
         block and anchor of the entry's files whose content is unchanged. Raises
         ``SpillWriteFailed`` (the entry gone) on an I/O error. Under ``io_lock``, the disk
         writer waiting meanwhile; ``writer_ms``: how long the save waited in its caller's
-        queue, for the log line."""
+        queue, for the log line. ``stop`` (a prewarm's): asked before each file; True raises
+        ``SpillStopped`` with the entry deleted, as a failed write leaves it (the rows it held
+        are still the engine's)."""
         t = time.perf_counter()
         with self.io_lock:
             lock_ms = _ms(t)
             with self.turns.save() as waits_ms:
-                report = self._save(eid, state, valid, token_ids, anchors, end, meta, now=now)
+                report = self._save(eid, state, valid, token_ids, anchors, end, meta, now=now,
+                                    stop=stop)
         ms = {"writer": writer_ms, "lock": lock_ms, "waits": waits_ms, **report.ms,
               "total": _ms(t)}
         report = msgspec.structs.replace(report, ms=ms)
@@ -617,7 +620,8 @@ class SessionSpill:
 
     def _save(self, eid: str, state: CacheState, valid: int, token_ids: Sequence[int],
               anchors: Mapping[int, SectionsCopy | Mapping[str, torch.Tensor]],
-              end: SpillEnd | None, meta: EntryMeta, *, now: float | None) -> SaveReport:
+              end: SpillEnd | None, meta: EntryMeta, *, now: float | None,
+              stop: Callable[[], bool] | None = None) -> SaveReport:
         t_all = time.perf_counter()
         now = self.wall() if now is None else now
         if eid != meta.entry_id:
@@ -732,10 +736,15 @@ class SessionSpill:
                 pipe = _WritePipe(self, fd)
                 blocks: list[FileRecord] = []
                 view_list = list(state.views.items())
+                def stopping(what: str) -> None:
+                    if stop is not None and stop():
+                        raise SpillStopped(f"save stopped before {what}")
+
                 for a, b, prev, sums in plan:
                     if prev is not None:
                         blocks.append(prev)
                         continue
+                    stopping(f"block {a}-{b}")
                     name = _file_name("blk", a, b, self.codec_version,
                                       *(s for pair in sums for s in pair))
                     rec, n, raw = self._write_file(
@@ -750,6 +759,7 @@ class SessionSpill:
                     if prev is not None:
                         anchor_recs.append(prev)
                         continue
+                    stopping(f"anchor {line}")
                     name = _file_name("anc", line, self.codec_version,
                                       *(s for pair in sums for s in pair))
                     rec, n, raw = self._write_file(
@@ -762,6 +772,7 @@ class SessionSpill:
                 if end_keep is not None:
                     end_rec = EndRecord(end_keep, end_meta)
                 elif end is not None:
+                    stopping("the end anchor")
                     sums = _pairs(end_sums)
                     name = _file_name("end", end.length, self.codec_version,
                                       *(s for pair in sums for s in pair))
@@ -794,8 +805,11 @@ class SessionSpill:
             except BaseException as exc:
                 # The manifest is gone already: what is left is no entry, and goes now rather
                 # than at the next open.
-                log.warning("spill_write_failed", eid=eid[:12],
-                            errno=getattr(exc, "errno", None), error=type(exc).__name__)
+                if isinstance(exc, SpillStopped):
+                    log.info("spill_save_stopped", eid=eid[:12])
+                else:
+                    log.warning("spill_write_failed", eid=eid[:12],
+                                errno=getattr(exc, "errno", None), error=type(exc).__name__)
                 if pipe is not None:
                     pipe.stop()  # nothing of this save still runs when the folder goes
                 os.close(fd)

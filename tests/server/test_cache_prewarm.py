@@ -15,7 +15,7 @@ from tandem.io.spill import SessionSpill
 from tandem.server.app import build_app
 from tandem.server.keys import ENGINE
 
-from test_cache_peek import _cache, _config, _next, _turn, body, chat, post
+from test_cache_peek import _cache, _config, _next, _turn, body, chat, post, stats
 
 
 async def _three(server, sdk):
@@ -122,3 +122,42 @@ async def test_a_request_during_the_prewarm_stops_it_and_leaves_both_conversatio
         assert _cache(got)["source"] == "end", _cache(got)  # C stayed in place
         status, seen = await post(server, "/v1/cache/peek", body(a_two, "A"))
     assert seen["tier"] == "nvme_spill", seen  # A's entry stayed on the NVMe
+
+
+async def test_a_request_during_the_save_of_the_conversation_in_place_stops_it_between_files(
+        small_loaded, make_config, serve, sdk, monkeypatch):
+    # C, in place, goes to the NVMe before A is read; C's next turn comes while C's files are
+    # written: the save stops before its next file, A is never read (its entry stays on the
+    # NVMe) and C's turn resumes at its end in place.
+    monkeypatch.setattr(engine_peek, "PREWARM_IN_USE_S", 0.0)
+    write = SessionSpill._write_file
+    writing = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    written = []
+
+    def slow_write(self, *args, **kwargs):
+        loop.call_soon_threadsafe(writing.set)
+        import time
+        time.sleep(0.3)
+        written.append(1)
+        return write(self, *args, **kwargs)
+
+    config = _prewarm_config(make_config)
+    async with serve(build_app(config, small_loaded)) as server:
+        a_two, c_two = await _three(server, sdk)
+        monkeypatch.setattr(SessionSpill, "_write_file", slow_write)
+        prewarm = asyncio.create_task(post(server, "/v1/cache/prewarm", body(a_two, "A")))
+        async with asyncio.timeout(30):
+            await writing.wait()
+        turn = asyncio.create_task(chat(server, sdk, c_two, "C"))
+        status, doc = await prewarm
+        got = await turn
+        monkeypatch.setattr(SessionSpill, "_write_file", write)
+        assert doc["prewarmed"] is False and doc["why"] == "yielded", doc
+        assert doc["saved"]["skipped"] == "stopped", doc
+        assert "restore" not in doc
+        assert _cache(got)["source"] == "end", _cache(got)
+        status, seen = await post(server, "/v1/cache/peek", body(a_two, "A"))
+        spill = (await stats(server)).get("tiers", {}).get("spill", {})
+    assert seen["tier"] == "nvme_spill", seen
+    assert spill.get("skips", {}).get("stopped") == 1, spill
