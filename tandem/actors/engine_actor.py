@@ -1840,7 +1840,7 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
 
     def _arrived(self, job: _Job, msg: Message) -> None:
         """On the loop: an event of the running job, counted in the view, then delivered."""
-        if isinstance(msg, TokenGenerated):
+        if isinstance(msg, TokenGenerated) and msg.choice == 0:  # the console counts choice 0
             job.view = msgspec.structs.replace(job.view, phase="decode",
                                                generated=msg.index + 1)
             request = self.view.request

@@ -91,6 +91,9 @@ class ChoicesRun(Run):
     def _remember(self, msg: GenerationFinished) -> None:
         pass
 
+    def _extra(self) -> dict | None:
+        return {**(super()._extra() or {}), "n": self.n}  # the journal row says how many
+
     async def deltas(self) -> AsyncIterator[tuple[int, str, str | None]]:
         """``(choice, text, finish_reason)`` until the engine's last event: a text delta of a
         choice (finish_reason None), or a choice's end (its finish_reason, with the text it

@@ -282,3 +282,75 @@ async def test_the_openai_sdk_reads_choices_whole_and_streamed(small_loaded, mak
     assert all(c.finish_reason in ("stop", "length") for c in resp.choices)
     assert sorted(seen) == [0, 1]
     assert all(reasons[-1] in ("stop", "length") for reasons in seen.values())
+
+
+async def test_a_stop_string_ends_its_own_choice_and_the_others_go_on(
+        small_loaded, make_config, serve, sdk):
+    config = _no_speculation(make_config(window=1024))
+    ask = {"model": "small", "prompt": PROMPT, "max_tokens": 24, "temperature": 1.0,
+           "seed": 21, "n": 3}
+    async with serve(build_app(config, small_loaded)) as server:
+        client = sdk(server)
+        free = [c.text for c in (await client.completions.create(**ask)).choices]
+        # A piece of choice 0's text that the others never write.
+        stop = next(free[0][i:i + 4] for i in range(len(free[0]) // 2, len(free[0]) - 4)
+                    if free[0][i:i + 4].strip() and all(free[0][i:i + 4] not in t
+                                                        for t in free[1:]))
+        cut = await client.completions.create(**ask, stop=[stop])
+    first, *others = cut.choices
+    assert first.text == free[0][:free[0].index(stop)] and first.finish_reason == "stop"
+    assert [c.text for c in others] == free[1:]
+    assert cut.usage.completion_tokens < 3 * 24
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file.",
+    "parameters": {"type": "object", "properties": {"filePath": {"type": "string"}},
+                   "required": ["filePath"]}}}]
+CALL = ("I should read it.\n</think>\n\n<tool_call>\n{\"name\": \"read\", \"arguments\": "
+        "{\"filePath\": \"/src/app.py\"}}\n</tool_call>")
+
+
+async def test_each_choice_has_its_tool_calls_parsed(small_loaded, make_config, serve, sdk):
+    config = make_config(allow_forced_output=True, window=1024)
+    async with serve(build_app(config, small_loaded)) as server:
+        client = sdk(server)
+        ask = dict(model="small", messages=CHAT, tools=TOOLS, max_tokens=100, n=2,
+                   extra_body={"tandem_forced_output": CALL})
+        whole = await client.chat.completions.create(**ask)
+        calls, finishes = {}, {}
+        async for chunk in await client.chat.completions.create(**ask, stream=True):
+            for choice in chunk.choices:
+                for call in choice.delta.tool_calls or []:
+                    calls.setdefault(choice.index, []).append(call)
+                if choice.finish_reason:
+                    finishes[choice.index] = choice.finish_reason
+    for choice in whole.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "read"
+        assert json.loads(call.function.arguments) == {"filePath": "/src/app.py"}
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert sorted(calls) == [0, 1]
+    for deltas in calls.values():
+        assert deltas[0].function.name == "read"
+        assert json.loads("".join(d.function.arguments or "" for d in deltas)) == \
+            {"filePath": "/src/app.py"}
+
+
+async def test_echoed_choices_each_carry_the_scored_prompt(small_loaded, make_config, serve,
+                                                          sdk):
+    async with serve(build_app(make_config(window=1024), small_loaded)) as server:
+        client = sdk(server)
+        many = await client.completions.create(model="small", prompt=PROMPT, max_tokens=4,
+                                               temperature=0, n=2, echo=True, logprobs=1)
+        one = await client.completions.create(model="small", prompt=PROMPT, max_tokens=4,
+                                              temperature=0, echo=True, logprobs=1)
+        rows = server.app[JOURNAL].tail(2)
+    want = one.choices[0]
+    for choice in many.choices:
+        assert choice.text == want.text and choice.text.startswith(PROMPT)
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.tokens == want.logprobs.tokens
+        assert choice.logprobs.text_offset == want.logprobs.text_offset
+    assert rows[0]["extra"]["n"] == 2 and "n" not in (rows[1].get("extra") or {})
