@@ -354,3 +354,31 @@ async def test_echoed_choices_each_carry_the_scored_prompt(small_loaded, make_co
         assert choice.logprobs.tokens == want.logprobs.tokens
         assert choice.logprobs.text_offset == want.logprobs.text_offset
     assert rows[0]["extra"]["n"] == 2 and "n" not in (rows[1].get("extra") or {})
+
+
+async def test_the_governor_admits_the_forks_rows_with_the_request(small_loaded, make_config,
+                                                                   serve, sdk):
+    """The forks are never taken from a slot: the plan asks the memory governor for their rows
+    (the prompt and answer each, and a copy of the sections) beside the slot's growth, so what
+    they cost is what the governor sheds or refuses, as for a longer prompt."""
+    async with serve(build_app(make_config(window=1024), small_loaded)) as server:
+        engine = server.app[ENGINE]
+        grown = []
+        admit = engine.governor.admit_prefill
+
+        async def spy(num_tokens, shed, levels, grow_nbytes=0):
+            grown.append(grow_nbytes)
+            return await admit(num_tokens, shed, levels, grow_nbytes=grow_nbytes)
+
+        engine.governor.admit_prefill = spy
+        client = sdk(server)
+        one = await client.completions.create(model="small", prompt=PROMPT, max_tokens=8,
+                                              temperature=0)
+        three = await client.completions.create(model="small", prompt="Rivers. " * 20,
+                                                max_tokens=8, temperature=0, n=3)
+    assert _tandem(three)["cache"]["slot"] != _tandem(one)["cache"]["slot"]  # an empty slot
+    row, state = engine._row_nbytes, engine._state_nbytes
+    assert row > 0 and state > 0
+    slot = [engine._blocks(r.usage.prompt_tokens + 8) * row for r in (one, three)]
+    fork = (three.usage.prompt_tokens + 8) * row + state
+    assert grown == [slot[0], slot[1] + 2 * fork]
