@@ -100,6 +100,11 @@ class ServerConfig(_Section):
         "last user message starts with '### Task:') and run them keeping nothing, in an empty "
         "slot or over a stash, so the chat's next turn still resumes at its end; off, they are "
         "placed and kept as any other request."))] = True
+    max_n: Annotated[int, Meta(ge=1, description=(
+        "Most choices a request may ask for (n): the prompt is read once, and every choice "
+        "past the first decodes beside it in rows of its own (a copy of the prompt's rows and "
+        "state, admitted by the memory governor with the request), never in another "
+        "conversation's slot. A larger n is a 400 naming n."))] = 8
 
 
 class EngineConfig(_Section):

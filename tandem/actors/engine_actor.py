@@ -37,7 +37,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -47,6 +47,7 @@ import torch
 from tandem.actors.engine_messages import (
     CachesCleared,
     CancelGeneration,
+    ChoiceEnded,
     ClearCaches,
     CaptureLockGranted,
     Drain,
@@ -98,6 +99,7 @@ from tandem.cache.planner import Planner
 from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer,
                                    ResidentPrefix, Resume, choose, park_offer, resident_offer)
 from tandem.cache.store import StateStore
+from tandem.choices import Choices, DecodeBatch, choice_params, decode_steps, sent
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.models.base import ModelError
@@ -185,8 +187,7 @@ class EngineView(msgspec.Struct, frozen=True):
 
 
 class _Job:
-    """One accepted generation. ``generated`` is the engine thread's own (the index it gives
-    each token); the loop never reads it, it counts what it delivers (the view's)."""
+    """One accepted generation (of ``n`` choices: tandem/choices.py)."""
 
     def __init__(self, msg: Generate, accepted_s: float) -> None:
         self.request_id = msg.request_id
@@ -209,7 +210,8 @@ class _Job:
         self.plan: PrefillPlan | None = None
         self.plan_taken = False  # engine thread only: the plan reached the planner
         self.cancel = threading.Event()
-        self.generated = 0
+        self.n = max(1, msg.n)
+        self.choice_cancels = [threading.Event() for _ in range(self.n)]  # a stop string's
         self.view = RequestView(self.request_id, "prefill", len(self.prompt_ids))
         self.staged: dict[int, Any] = {}  # engine thread: disk anchors' sections by line
         self.disk_told = False  # the writer was told its job (or its plan was given back)
@@ -225,6 +227,8 @@ class _Outcome:
     reread: int
     alignment: Alignment | None
     budget: ReasoningBudget | None
+    # n > 1: choices 1..n-1, each's result and budget (choice 0's are the fields above).
+    choices: list[tuple[Any, ReasoningBudget | None]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -352,6 +356,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         self._slot_backed: list[int] = [0] * parallel
         self._thread_backed: list[int] = [0] * parallel  # the same, the engine thread's
         self._row_nbytes = 0
+        self._state_nbytes = 0  # one sequence's sections (a choice's fork holds a copy)
         self.governor_actor = governor_actor
         # The slot the parked conversation was parked from (its head is in that slot's rows).
         self._park_slot: int | None = None
@@ -463,6 +468,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             self.view = await self._loop.run_in_executor(self._executor, self._engine_view)
             if self._tiers is not None:  # the slots' rows are counted with the tiers only
                 self._row_nbytes = self.engine.cost().row_nbytes
+                self._state_nbytes = self.engine.cost().state_nbytes
         except BaseException:
             if self._own_executor:
                 self._executor.shutdown(wait=False, cancel_futures=True)
@@ -708,8 +714,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         match msg:
             case Generate():
                 return self._accept(msg)
-            case CancelGeneration(request_id=request_id):
-                self._cancel(request_id)
+            case CancelGeneration(request_id=request_id, choice=choice):
+                self._cancel(request_id, choice)
             case Drain(reply_to=reply_to):
                 return self._drain(reply_to)
             case ClearCaches():
@@ -800,10 +806,14 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         self._pump()
         return GenerationAccepted(msg.request_id, 0 if job.request_id in self._active else ahead)
 
-    def _cancel(self, request_id: str) -> None:
+    def _cancel(self, request_id: str, choice: int | None = None) -> None:
         job = self._jobs.get(request_id)
         if job is None:
             return  # finished already, or never known
+        if choice is not None and job.n > 1:
+            if 0 <= choice < job.n:
+                job.choice_cancels[choice].set()  # that choice alone ends at its next token
+            return
         job.cancel.set()
         if request_id not in self._active:
             self._lock.withdraw(job)
@@ -1020,7 +1030,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 self._advance(run, None)
                 ran = True
                 break
-        decoding = [run for run in runs.values() if isinstance(run.need, DecodeStep)]
+        decoding = [run for run in runs.values()
+                    if isinstance(run.need, (DecodeStep, DecodeBatch))]
         if decoding:
             ran = True
             self._decode(decoding)
@@ -1040,27 +1051,32 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         return ran
 
     def _decode(self, decoding: list[_Run]) -> None:
-        """Every waiting decode step as one batched forward, each run sent its logits. A batch
-        that fails runs each step alone, so that only the step at fault fails its run."""
-        size = len(decoding)
+        """Every waiting decode step (a request's choices' steps among them) as one batched
+        forward, each run sent its logits. A batch that fails runs each run's steps alone, so
+        that only the run at fault fails."""
+        steps = [step for run in decoding for step in decode_steps(run.need)]
+        size = len(steps)
         self._thread_batches[size] = self._thread_batches.get(size, 0) + 1
         try:
-            logits = decode_batch([run.need for run in decoding])
+            logits = decode_batch(steps)
         except Exception as exc:
             if len(decoding) == 1:
                 self._advance(decoding[0], None, throw=exc)
                 return
-            log.warning("decode_batch_failed", batch=len(decoding), error=type(exc).__name__)
+            log.warning("decode_batch_failed", batch=size, error=type(exc).__name__)
             for run in decoding:
                 try:
-                    row = decode_batch([run.need])[0]
+                    rows = [decode_batch([step])[0] for step in decode_steps(run.need)]
                 except Exception as alone:
                     self._advance(run, None, throw=alone)
                 else:
-                    self._advance(run, row)
+                    self._advance(run, sent(run.need, rows))
             return
-        for run, row in zip(decoding, logits):
-            self._advance(run, row)
+        at = 0
+        for run in decoding:
+            k = len(decode_steps(run.need))
+            self._advance(run, sent(run.need, logits[at:at + k]))
+            at += k
 
     def _advance(self, run: _Run, value: Any, throw: BaseException | None = None) -> None:
         """Run one job's generation to its next step, with the thread's pointers at its slot;
@@ -1429,6 +1445,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         # The rows this request may back beyond its slot's: its prompt and answer.
         wanted = min(self.view.window, num_tokens + job.generation_params.max_tokens)
         grow = max(0, self._blocks(wanted) - self._slot_backed[job.slot]) * self._row_nbytes
+        # Choices past the first decode in side rows of their own, as long as the slot's may
+        # grow (tandem/choices.py): admitted here with the request, never taken from a slot.
+        grow += (job.n - 1) * (wanted * self._row_nbytes + self._state_nbytes)
         workspace = await self.governor.admit_prefill(num_tokens, shed, levels,
                                                       grow_nbytes=grow)
         return workspace, shed_tiers
@@ -1532,43 +1551,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         assert self.engine is not None
         engine, resident = self.engine, self.resident
         params = _sampling(job.generation_params)  # a bad value fails this request only
-        budget = None
-        if job.max_reasoning_tokens > 0 and self.tokenizer is not None:
-            budget = ReasoningBudget.for_tokenizer(self.tokenizer, job.max_reasoning_tokens)
-        force = budget
-        if job.forced_ids:
-            forced = job.forced_ids
-
-            def force(out: list[int]) -> int | None:
-                return forced[len(out)] if len(out) < len(forced) else None
-
-        speculate = {}
-        if self.speculation == "lookup":
-            # The drafter indexes the prompt at its first proposal, after the first token: a
-            # 32k prompt's index (tens of ms) never delays the time to first token. A salted
-            # request drafts from its own tokens only: the store holds every tenant's text.
-            store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
-                     else None)
-            speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
-
-        entry = None  # the logprobs of the token on_token sees next (the engine's order)
-
-        def on_logprobs(logprobs) -> None:
-            nonlocal entry
-            entry = logprobs
-
-        def on_token(token_id: int) -> bool:
-            nonlocal entry
-            index = job.generated
-            job.generated = index + 1
-            hidden = budget is not None and index in budget.hidden_positions
-            self._post(job, TokenGenerated(job.request_id, token_id, index, hidden, entry))
-            entry = None
-            return False
-
         scoring = {}
-        if params.logprobs is not None:
-            scoring["on_logprobs"] = on_logprobs
         if params.prompt_logprobs is not None:
             scoring["on_prompt_logprobs"] = lambda entries: self._post(
                 job, PromptLogprobs(job.request_id, entries))
@@ -1581,10 +1564,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 engine.reset()  # another namespace's rows: the engine must not extend them
             self._rows_namespace = job.namespace
             try:
-                result = yield from _engine_steps(engine, job.prompt_ids, params,
-                                                  on_token=on_token,
-                                                  should_cancel=job.cancel.is_set, force=force,
-                                                  **speculate, **scoring)
+                result, budget, others = yield from self._choices_steps(
+                    job, engine, job.prompt_ids, params, scoring)
             except BaseException:
                 # No copy exists to cut back to: the rows the request wrote (a forward may have
                 # stopped half way) must not be resumed over by the next prompt sharing them.
@@ -1594,7 +1575,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 if self.governor is not None:
                     self.governor.after_request()
             return _Outcome(result, "engine" if result.reused_tokens else "cold", False,
-                            len(job.prompt_ids) - result.reused_tokens, None, budget)
+                            len(job.prompt_ids) - result.reused_tokens, None, budget, others)
         ends = self._end_records()
         if plan is not None:
             # Aligned on the loop, over the same lent holdings.
@@ -1660,12 +1641,10 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         # Idle work yields between two prefill chunks too.
         stopping = {"stop_prefill": job.cancel.is_set} if job.idle else {}
         try:
-            result = yield from _engine_steps(engine, served, params, on_token=on_token,
-                                              should_cancel=job.cancel.is_set,
-                                              on_chunk=on_chunk, force=force,
-                                              on_prefill=planner.on_prefill,
-                                              logits=resume.logits, **speculate, **scoring,
-                                              **stopping)
+            result, budget, others = yield from self._choices_steps(
+                job, engine, served, params,
+                dict(on_chunk=on_chunk, on_prefill=planner.on_prefill, logits=resume.logits,
+                     **scoring, **stopping))
             committed = served + result.token_ids
             if plan is not None:
                 yield END  # the end reserves and sheds: it waits while the loop makes a plan
@@ -1681,10 +1660,11 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         if params.prompt_logprobs is not None:
             # The engine ran the prompt cold whatever the tiers restored (tandem.engine:
             # prompt logprobs need every position forwarded): usage says so.
-            outcome = _Outcome(result, "cold", resume.guest, len(served), alignment, budget)
+            outcome = _Outcome(result, "cold", resume.guest, len(served), alignment, budget,
+                               others)
         else:
             outcome = _Outcome(result, resume.source, resume.guest,
-                               len(served) - resume.start, alignment, budget)
+                               len(served) - resume.start, alignment, budget, others)
 
         def complete(verdict: str | None) -> _Outcome:
             """The rest, on the engine thread: with a plan, after the loop asked the store
@@ -1705,6 +1685,91 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             return complete(None)
         verdict = yield _AskStore(put)
         return complete(verdict)
+
+    def _choice_options(self, job: _Job, choice: int) -> tuple[dict, ReasoningBudget | None]:
+        """On the engine thread: what one choice's generation has of its own: its reasoning
+        budget (or the forced answer), its drafter, its cancel, and the callbacks that post its
+        tokens (counted in that choice); the budget too, for its hidden tokens."""
+        budget = None
+        if job.max_reasoning_tokens > 0 and self.tokenizer is not None:
+            budget = ReasoningBudget.for_tokenizer(self.tokenizer, job.max_reasoning_tokens)
+        force = budget
+        if job.forced_ids:
+            forced = job.forced_ids
+
+            def force(out: list[int]) -> int | None:
+                return forced[len(out)] if len(out) < len(forced) else None
+
+        speculate = {}
+        if self.speculation == "lookup":
+            # The drafter indexes the prompt at its first proposal, after the first token: a
+            # 32k prompt's index (tens of ms) never delays the time to first token. A salted
+            # request drafts from its own tokens only: the store holds every tenant's text.
+            store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
+                     else None)
+            speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
+
+        entry = None  # the logprobs of the token on_token sees next (the engine's order)
+        generated = 0
+
+        def on_logprobs(logprobs) -> None:
+            nonlocal entry
+            entry = logprobs
+
+        def on_token(token_id: int) -> bool:
+            nonlocal entry, generated
+            index, generated = generated, generated + 1
+            hidden = budget is not None and index in budget.hidden_positions
+            self._post(job, TokenGenerated(job.request_id, token_id, index, hidden, entry,
+                                           choice))
+            entry = None
+            return False
+
+        stopped = job.choice_cancels[choice]
+        options = {"on_token": on_token, "force": force, **speculate,
+                   "should_cancel": (job.cancel.is_set if job.n == 1 else
+                                     lambda: job.cancel.is_set() or stopped.is_set())}
+        if job.generation_params.logprobs is not None:
+            options["on_logprobs"] = on_logprobs
+        return options, budget
+
+    def _choices_steps(self, job: _Job, engine: Engine, prompt: Sequence[int],
+                       params: SamplingParams, shared: dict) -> Any:
+        """On the engine thread: choice 0's generation on the slot's engine (``shared``: its
+        prefill's options), and with n > 1 the others forked from its state at the prompt's
+        end and decoded beside it (tandem/choices.py), their rows released at the end,
+        whatever the end. Returns choice 0's result and budget, and the others'."""
+        options, budget = self._choice_options(job, 0)
+        if job.n == 1:
+            result = yield from _engine_steps(engine, prompt, params, **options, **shared)
+            return result, budget, []
+        budgets: list[ReasoningBudget | None] = []
+
+        def make(i: int, twin: Engine, logits: torch.Tensor) -> Any:
+            own, choice_budget = self._choice_options(job, i)
+            budgets.append(choice_budget)
+            return twin.generate_steps(prompt, choice_params(params, i), logits=logits, **own)
+
+        choices = Choices(job.n, make)
+        on_prefill = shared.get("on_prefill")
+
+        def forked(logits: torch.Tensor) -> None:
+            if on_prefill is not None:
+                on_prefill(logits)  # the caches keep the prompt's end first, as for one choice
+            choices.fork(engine, logits, params.max_tokens)
+
+        shared = dict(shared, on_prefill=forked)
+        try:
+            if shared.get("logits") is not None:
+                # The whole prompt restored with its logits: nothing is forwarded, the choices
+                # fork from the rows as they are.
+                choices.fork(engine, shared["logits"], params.max_tokens)
+            results = yield from choices.run(engine.generate_steps(prompt, params, **options,
+                                                                   **shared))
+        finally:
+            choices.release()
+        budgets += [None] * (job.n - 1 - len(budgets))
+        return results[0], budget, list(zip(results[1:], budgets))
 
     def _alone(self, job: _Job) -> bool:
         """On the engine thread: no other generation runs here, and none is being planned on
@@ -1780,7 +1845,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
 
     def _arrived(self, job: _Job, msg: Message) -> None:
         """On the loop: an event of the running job, counted in the view, then delivered."""
-        if isinstance(msg, TokenGenerated):
+        if isinstance(msg, TokenGenerated) and msg.choice == 0:  # the console counts choice 0
             job.view = msgspec.structs.replace(job.view, phase="decode",
                                                generated=msg.index + 1)
             request = self.view.request
@@ -1856,6 +1921,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         else:
             outcome = fut.result()
             result = outcome.result
+            choices = [(result, outcome.budget), *outcome.choices] if outcome.choices else []
+            drafted = result.drafted + sum(r.drafted for r, _ in outcome.choices)
+            accepted = result.accepted + sum(r.accepted for r, _ in outcome.choices)
             self.finished_total += 1
             if outcome.reread >= PREFILL_RATE_MIN_TOKENS and result.prefill_ms > 0:
                 self._prefill_rates.append(outcome.reread / (result.prefill_ms / 1000.0))
@@ -1871,10 +1939,12 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                               + outcome.alignment.replayed_reasoning
                               if outcome.alignment else 0),
                 hidden_tokens=len(_hidden(outcome.budget, result.token_ids)),
-                drafted=result.drafted, accepted=result.accepted, slot=job.slot),
+                drafted=drafted, accepted=accepted, slot=job.slot, choices=[
+                    ChoiceEnded(r.finish_reason, len(r.token_ids), r.stop_token,
+                                len(_hidden(b, r.token_ids))) for r, b in choices]),
                 job)
-            self.drafted_total += result.drafted
-            self.accepted_total += result.accepted
+            self.drafted_total += drafted
+            self.accepted_total += accepted
             self._report_to_suffix(job, outcome)
         self._pump()
         if self._draining and not self._active:

@@ -84,6 +84,10 @@ class Generate(Message):
     # session's slot, over a stash; any other Generate or a drain cancels it at once, and its
     # cancel stops its prefill at the next chunk (tandem/actors/engine_idle.py).
     idle: bool = False
+    # Choices (OpenAI's n): the prompt is prefilled once in the slot, and choices 1..n-1 are
+    # forked from its state at the prompt's end and decoded beside choice 0 (tandem/choices.py),
+    # choice i with seed + i; choice 0's rows stay in the slot as the conversation's end.
+    n: int = 1
 
 
 class ClearCaches(Message):
@@ -165,9 +169,11 @@ class GenerationRejected(Message):
 class CancelGeneration(Message):
     """Sender: the server (a client went away, a stop string matched). Receiver: the engine,
     which drops the request if it waits, or stops it at its next token if it runs. A request
-    that has already finished is ignored."""
+    that has already finished is ignored. ``choice``: only that choice of an n > 1 request
+    stops (a stop string matched in it); the others go on."""
 
     request_id: str
+    choice: int | None = None
 
 
 class GenerationStarted(Message):
@@ -194,6 +200,7 @@ class TokenGenerated(Message):
     index: int  # 0 for the first generated token
     hidden: bool = False  # in the rows, never shown to the client nor counted in usage
     logprobs: TokenLogprob | None = None  # when the params ask for them
+    choice: int = 0  # which of the request's n choices it belongs to (``index`` counts in it)
 
 
 class PromptLogprobs(Message):
@@ -203,6 +210,15 @@ class PromptLogprobs(Message):
 
     request_id: str
     entries: list[TokenLogprob]
+
+
+class ChoiceEnded(msgspec.Struct, frozen=True):
+    """How one choice of an n > 1 request ended (GenerationFinished.choices)."""
+
+    finish_reason: FinishReason
+    completion_tokens: int
+    stop_token: int | None = None
+    hidden_tokens: int = 0
 
 
 class GenerationFinished(Message):
@@ -231,6 +247,9 @@ class GenerationFinished(Message):
     drafted: int = 0  # tokens the lookup drafter proposed
     accepted: int = 0  # of them, those the verify blocks accepted
     slot: int = 0  # the slot it ran in (tandem/cache/slots.py)
+    # n > 1: every choice's end, choice 0's first (the fields above are choice 0's, but for
+    # drafted and accepted, summed over the choices); empty for one choice.
+    choices: list[ChoiceEnded] = []
 
 
 class GenerationFailed(Message):

@@ -139,8 +139,10 @@ class Run:
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
                  marks: PromptMarks | None = None, side: bool = False,
                  client_prompt_tokens: int | None = None, compaction: dict | None = None,
-                 prepared: Any = None, head_parts: tuple[int, int] | None = None) -> None:
+                 prepared: Any = None, head_parts: tuple[int, int] | None = None,
+                 n: int = 1) -> None:
         self.state = state
+        self.n = n  # choices (tandem/server/choices.py reads more than one)
         self.marks = marks  # a chat prompt's parts, for the disk tier's head
         self.side = side  # a side request (tandem/server/side.py)
         self.request = request
@@ -248,7 +250,7 @@ class Run:
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
                        session=self.session, namespace=self.namespace, marks=self.marks,
-                       side=self.side)
+                       side=self.side, n=self.n)
         try:
             reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
         except TimeoutError:
@@ -266,16 +268,18 @@ class Run:
             raise ApiError(400, "duplicate request id", code="duplicate_request")
         self.started = True
 
-    def cancel(self) -> None:
+    def cancel(self, choice: int | None = None) -> None:
+        """Cancel the generation (``choice``: that choice alone, of n > 1)."""
         if not self.started or self.ended or self.from_memory:
             return
         try:
-            self.state.engine.try_tell(CancelGeneration(self.request_id), sender="server")
+            self.state.engine.try_tell(CancelGeneration(self.request_id, choice),
+                                       sender="server")
         except ActorStopped:
             pass  # a stopped engine runs nothing
         except MailboxFull:
             # A full mailbox drains in milliseconds; the engine must still hear of it.
-            self.state.cancel_later(self.request_id)
+            self.state.cancel_later(self.request_id, choice)
 
     def client_gone(self) -> bool:
         transport = self.request.transport

@@ -203,14 +203,20 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
         ctx.session = session_key(body, request.headers, ctx.state.session_secret)
         req, prompt_ids, params, stops, extra = await prepare(ctx, body)
         ctx.prompt_tokens = extra.get("client_prompt_tokens") or len(prompt_ids)
-        ctx.run = Run(ctx.state, request, route=route, request_id=ctx.request_id,
+        n = extra.get("n", 1)
+        if n > 1:
+            # Its answers are written with this module's chunks (tandem/server/choices.py).
+            from tandem.server.choices import ChoicesRun, answer_choices
+            answer = answer_choices
+        ctx.run = (Run if n == 1 else ChoicesRun)(ctx.state, request, route=route,
+                                                  request_id=ctx.request_id,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
                       arrived_s=ctx.arrived_s,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
                       marks=extra.get("marks"), side=extra.get("side", False),
                       client_prompt_tokens=extra.get("client_prompt_tokens"),
                       compaction=extra.get("compaction"), prepared=extra.get("prepared"),
-                      head_parts=extra.get("head_parts"))
+                      head_parts=extra.get("head_parts"), n=n)
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
@@ -298,6 +304,7 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     extra = {"thinking": thinking, "tools": req.tools, "marks": _marks(state, req, prompt_ids),
              "head_parts": head,
              "side": state.config.server.side_requests and is_side_request(req.messages)}
+    extra["n"] = req.choices(state.config.server.max_n)
     prepared = ctx.request.app.get(PREPARED)
     if prepared is not None and ctx.session is not None and req.tools:
         prepared.note_session(ctx.session, _client(ctx.request))  # an agent's conversation
@@ -461,8 +468,38 @@ def _chunk(ctx: _Request, run: Run, choices: list[dict], usage: dict | None = No
 
 
 def _delta(delta: dict, finish_reason: str | None = None,
-           logprobs: dict | None = None) -> list[dict]:
-    return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+           logprobs: dict | None = None, index: int = 0) -> list[dict]:
+    return [{"index": index, "delta": delta, "logprobs": logprobs,
+             "finish_reason": finish_reason}]
+
+
+def _event_delta(event) -> dict:
+    """A stream parser's event as a chat chunk's delta."""
+    match event:
+        case ReasoningDelta(text=t):
+            return {"reasoning_content": t}
+        case ContentDelta(text=t):
+            return {"content": t}
+        case ToolCallParsed(index=i, tool_call=call):
+            return {"tool_calls": [{"index": i, **call}]}
+        case ToolCallStarted(index=i, call_id=call_id, name=name):
+            # OpenAI's first delta of a call: its id, type and name, no arguments yet
+            return {"tool_calls": [{"index": i, "id": call_id, "type": "function",
+                                    "function": {"name": name, "arguments": ""}}]}
+        case ToolCallArguments(index=i, text=t):
+            return {"tool_calls": [{"index": i, "function": {"arguments": t}}]}
+    raise TypeError(f"no delta for {type(event).__name__}")
+
+
+def _chat_message(parsed) -> dict[str, Any]:
+    """An answer's message: its content (null beside tool calls), reasoning and calls."""
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": parsed.content if parsed.content or
+                               not parsed.tool_calls else None,
+                               "reasoning_content": parsed.reasoning}
+    if parsed.tool_calls:
+        message["tool_calls"] = parsed.tool_calls
+    return message
 
 
 async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extra: dict,
@@ -473,12 +510,7 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
         text = "".join([t async for t in run.texts()])
         parsed = parse_output(text, thinking=thinking, tools=extra["tools"])
         finish = _chat_finish(run.finish_reason, bool(parsed.tool_calls))
-        message: dict[str, Any] = {"role": "assistant",
-                                   "content": parsed.content if parsed.content or
-                                   not parsed.tool_calls else None,
-                                   "reasoning_content": parsed.reasoning}
-        if parsed.tool_calls:
-            message["tool_calls"] = parsed.tool_calls
+        message = _chat_message(parsed)
         run.close(200)
         return web.json_response({
             "id": run.request_id, "object": "chat.completion",
@@ -496,22 +528,9 @@ async def _answer_chat(ctx: _Request, req: ChatCompletionRequest, run: Run, extr
 
     async def send(events) -> None:
         for event in events:
-            match event:
-                case ReasoningDelta(text=t):
-                    delta = {"reasoning_content": t}
-                case ContentDelta(text=t):
-                    delta = {"content": t}
-                case ToolCallParsed(index=i, tool_call=call):
-                    delta = {"tool_calls": [{"index": i, **call}]}
-                case ToolCallStarted(index=i, call_id=call_id, name=name):
-                    # OpenAI's first delta of a call: its id, type and name, no arguments yet
-                    delta = {"tool_calls": [{"index": i, "id": call_id, "type": "function",
-                                             "function": {"name": name, "arguments": ""}}]}
-                case ToolCallArguments(index=i, text=t):
-                    delta = {"tool_calls": [{"index": i, "function": {"arguments": t}}]}
             # A chunk carries the entries of the tokens read since the last one.
             logprobs = writer.chat(run.take_logprobs()) if writer else None
-            await stream.write(_chunk(ctx, run, _delta(delta, logprobs=logprobs),
+            await stream.write(_chunk(ctx, run, _delta(_event_delta(event), logprobs=logprobs),
                                       with_usage=include_usage))
 
     # Headers and the role go out once the engine admitted the prefill: until then the memory
@@ -599,7 +618,7 @@ async def _prepare_completion(ctx: _Request, body: dict[str, Any]):
     _check_room(req.max_tokens, "max_tokens", len(prompt_ids), window, "prompt")
     limit = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     params = _params(req, state, limit, window - len(prompt_ids) + 1)
-    extra = {}
+    extra = {"n": req.choices(state.config.server.max_n)}
     if req.logprobs is not None:
         params = msgspec.structs.replace(
             params, logprobs=req.logprobs, prompt_logprobs=req.logprobs if req.echo else None)

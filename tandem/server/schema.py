@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI routes as msgspec Structs, and their checks.
 
 Unknown fields are ignored (clients send many harmless ones: ``user``, ``metadata``, ...); fields that would change the answer in a way tandem cannot honour are refused with a
-400 naming the parameter (``n`` > 1, a JSON ``response_format``, a forced ``tool_choice``,
-``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
+400 naming the parameter (``n`` above the server's ``max_n``, a JSON ``response_format``, a
+forced ``tool_choice``, ``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -80,9 +80,16 @@ class _Sampling(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(sorted((t, b) for t, b in pairs.items() if b != 0))
 
     def check_common(self) -> None:
-        if self.n is not None and self.n > 1:
-            raise bad_request("n > 1 is not supported: tandem generates one choice per request",
-                              "n", "unsupported_parameter")
+        """The checks both routes share beyond the fields' types: none at present (``n`` is
+        held to the server's cap by ``choices``)."""
+
+    def choices(self, max_n: int) -> int:
+        """How many choices the request asks for (n, 1 by default); over ``max_n`` a 400."""
+        n = self.n or 1
+        if n > max_n:
+            raise bad_request(f"n is at most {max_n} on this server (max_n); got {n}", "n",
+                              "unsupported_parameter")
+        return n
 
     def salt(self, required: bool) -> str | None:
         """The request's cache salt; a 400 when the server requires one and there is none."""

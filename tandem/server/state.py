@@ -73,12 +73,13 @@ class ServerState:
     def created_now(self) -> int:
         return int(time.time())
 
-    def cancel_later(self, request_id: str) -> None:
-        """Tell the engine to cancel once its mailbox has room, from a supervisor-owned task."""
+    def cancel_later(self, request_id: str, choice: int | None = None) -> None:
+        """Tell the engine to cancel once its mailbox has room, from a supervisor-owned task
+        (``choice``: that choice of the request alone)."""
 
         async def send() -> None:
             try:
-                await self.engine.tell(CancelGeneration(request_id), sender="server")
+                await self.engine.tell(CancelGeneration(request_id, choice), sender="server")
             except ActorStopped:
                 pass  # a stopped engine runs nothing
 
