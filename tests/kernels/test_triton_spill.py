@@ -56,9 +56,9 @@ def test_block_sums_match_the_specification_and_the_torch_path(device, nbytes):
     assert torch.equal(got.cpu(), blocksums._sums_of_bytes(rows))
 
 
-def test_block_sums_wrap_mod_two_to_the_64_as_the_specification_does():
+def test_block_sums_wrap_mod_two_to_the_64_as_the_specification_does(device):
     # 2**17 words of 0xFFFFFFFF: the weighted sum is near 2**65
     rows = torch.full((1, 4 << 17), 255, dtype=torch.uint8)
     plain, weighted = blocksums.block_sums_reference(rows[0])
     assert weighted < (2 ** 32 - 1) * (2 ** 17) * (2 ** 17 + 1) // 2  # it wrapped
-    assert _got_sums(triton_spill.block_sums_of_bytes(rows)) == [(plain, weighted)]
+    assert _got_sums(triton_spill.block_sums_of_bytes(rows.to(device))) == [(plain, weighted)]
