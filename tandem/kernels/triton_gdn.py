@@ -3,10 +3,10 @@
 
 Each computes what its torch reference computes (``reference.chunk_gated_delta_rule``,
 ``recurrent_gated_delta_step``, ``recurrent_gated_delta_block``,
-``decode.recurrent_gated_delta_rows``) on CUDA tensors; ``tandem.kernels`` registers them for CUDA only and a CPU tensor keeps the
-reference. They are held to the references under ``TRITON_INTERPRET=1``
-(tests/kernels/test_triton_gdn.py). Inputs in any float dtype; the arithmetic and the state are
-fp32.
+``decode.recurrent_gated_delta_rows``) on CUDA tensors; ``tandem.kernels`` registers them for
+CUDA only and a CPU tensor keeps the reference. They are held to the references under
+``TRITON_INTERPRET=1`` (tests/kernels/test_triton_gdn.py). Inputs in any float dtype; the
+arithmetic and the state are fp32.
 
 The grid gate (DESIGN.md: a resumed prefill gives the bits a cold one gave on the same grid):
 

@@ -1,7 +1,8 @@
 """The Triton kernels' tests run under Triton's interpreter on CPU tensors where there is no GPU
 (TRITON_INTERPRET is read when a kernel is decorated, so it is set before any
-tandem.kernels.triton_* module is imported); on a CUDA machine they run compiled on the GPU (scripts/device_check.sh),
-unless TRITON_INTERPRET=1 is set by hand. Without triton installed they skip."""
+tandem.kernels.triton_* module is imported); on a CUDA machine they run compiled on the GPU
+(scripts/device_check.sh), unless TRITON_INTERPRET=1 is set by hand. Without triton installed
+they skip."""
 
 import os
 
