@@ -3,7 +3,8 @@
 # present, so a CPU machine never downloads a CUDA build), then the package.
 #   scripts/install.sh          what `tandem serve` needs
 #   scripts/install.sh --test   plus the test dependencies (transformers as the oracle, the
-#                               OpenAI SDK, pytest) and Debian's chromium for the console test
+#                               OpenAI SDK, pytest, triton for the kernels' interpreter tests)
+#                               and Debian's chromium for the console test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
@@ -24,6 +25,13 @@ fi
 
 if [ "$want_test" = 1 ]; then
   pip install -q -e ".[test]"
+  # Triton, for the kernels' tests under its interpreter (tests/kernels/test_triton_*.py). A CUDA
+  # torch brings the triton it was built with: keep that one. --no-deps, so that nothing it
+  # names can ever pull a CUDA torch onto a CPU machine; serving never needs it on a CPU.
+  if ! .venv/bin/python -c "import triton" 2>/dev/null; then
+    pip install -q --no-deps "triton>=3.2" \
+      || echo "install.sh: triton not installed; the Triton kernels' tests will skip" >&2
+  fi
   if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
       && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \

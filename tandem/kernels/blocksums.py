@@ -13,10 +13,10 @@ the plain one cannot: two words swapped, a block's words shifted. Positions coun
 block's first word, so equal blocks have equal sums wherever they lie in their tensor.
 
 ``block_sums_reference`` (numpy, whose uint64 arithmetic wraps by definition) is the
-specification; the torch functions here run on the tensor's device and a Triton kernel may later
-register under them, held to the same reference. Sums are returned as int64 tensors holding the
-uint64 bit patterns (torch's uint64 has too few ops), ``host_sums`` reads them back as numpy
-uint64 in one copy.
+specification; the torch functions here run on the tensor's device, and on a CUDA tensor the
+Triton kernel ``triton_spill.block_sums_of_bytes`` takes their place, held to the same
+reference. Sums are returned as int64 tensors holding the uint64 bit patterns (torch's uint64
+has too few ops), ``host_sums`` reads them back as numpy uint64 in one copy.
 
 The torch path never relies on int64 overflow (its wrap-around is not defined for every device
 and reduction): a block's words are laid out as ``[R, C]`` (C = 4,096 words), so that with
@@ -35,6 +35,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
+import tandem.kernels as _kernels
 from tandem.models.base import View
 
 WORD_NBYTES = 4
@@ -138,6 +139,9 @@ def _sums_of_bytes(data: torch.Tensor) -> torch.Tensor:
     num_words = -(-nbytes // WORD_NBYTES)
     if num_words > MAX_BLOCK_WORDS:
         raise ValueError(f"a block of {nbytes} bytes is above the sums' {MAX_BLOCK_WORDS} words")
+    kernel = _kernels.cuda_op("block_sums_of_bytes") if data.is_cuda else None
+    if kernel is not None:  # triton_spill's: uint64 sums that wrap, no limbs needed
+        return kernel(data)
     num_rows = max(1, -(-num_words // ROW_WORDS))
     # Zero words at the end add nothing to either sum, so the padding to [R, C] is free.
     pad = num_rows * ROW_WORDS * WORD_NBYTES - nbytes

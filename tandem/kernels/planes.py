@@ -17,12 +17,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import tandem.kernels as _kernels
+
 
 def cut_planes(block: torch.Tensor) -> torch.Tensor:
     """uint8 ``[element_size, numel]``, contiguous, on the block's device."""
     e = block.element_size()
     data = block.contiguous().reshape(-1).view(torch.uint8).reshape(-1, e)
     planes = torch.empty((e, data.shape[0]), dtype=torch.uint8, device=block.device)
+    cut = _kernels.cuda_op("cut_planes_bytes") if block.is_cuda else None
+    if cut is not None:  # triton_spill's kernel: one launch for every plane
+        cut(data, planes)
+        return planes
     for j in range(e):
         planes[j] = data[:, j]
     return planes
@@ -44,8 +50,12 @@ def join_planes(planes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     joined = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype,
                                                          device=out.device)
     data = joined.reshape(-1).view(torch.uint8).reshape(n, e)
-    for j in range(e):
-        data[:, j] = planes[j]
+    join = _kernels.cuda_op("join_planes_bytes") if data.is_cuda else None
+    if join is not None:
+        join(planes, data)
+    else:
+        for j in range(e):
+            data[:, j] = planes[j]
     return out if joined is out else out.copy_(joined)
 
 
