@@ -98,6 +98,7 @@ from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer
 from tandem.cache.store import StateStore
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
+from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
 from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
@@ -1545,6 +1546,13 @@ class EngineActor(EngineSpill, EngineIdle, EngineCompaction, Actor):
             store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
                      else None)
             speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
+
+        if job.generation_params.grammar is not None:
+            # Compiled here, on the engine thread (milliseconds for a schema), as every mask
+            # after it: the loop never waits on a grammar.
+            if self.tokenizer is None:
+                raise ModelError("structured outputs need the model's tokenizer")
+            speculate["grammar"] = TokenGrammar(self.tokenizer, job.generation_params.grammar)
 
         entry = None  # the logprobs of the token on_token sees next (the engine's order)
 
