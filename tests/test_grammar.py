@@ -142,3 +142,15 @@ def test_a_forced_token_the_grammar_refuses_ends_the_generation(hybrid, tok, com
     result = generate(hybrid, prompt, params(tok), grammar=grammar,
                       force=lambda out: refused if len(out) == 1 else None)
     assert grammar.broken and result.finish_reason == "stop" and len(result.token_ids) == 2
+
+
+def test_the_mask_agrees_with_the_matcher_and_refuses_the_padding_rows(tok, compiled):
+    import torch
+
+    grammar = TokenGrammar(tok, compiled)
+    refused = grammar.refused(tok.vocab_size + 243, torch.device("cpu"))
+    assert refused[tok.vocab_size:].all()  # a model's padding logits are never a token
+    allowed = (~refused).nonzero().flatten().tolist()
+    assert allowed and all(grammar.allows(t) for t in allowed)
+    assert not any(grammar.allows(t) for t in range(0, tok.vocab_size, 997) if refused[t])
+    assert tok.encode("[")[0] not in allowed
