@@ -14,7 +14,8 @@ falls on both), for three cases:
 Each case prints tokens per second of wall time and per second of CPU time (the process's,
 every torch thread: on a machine shared with other work, descheduled time falls out of it), the
 ratio of each, how many positions computed a full mask (``masks``) and the grammar's own
-microseconds a token (its matcher, masks and checks, timed inside). The mask runs on the engine
+microseconds a token (its matcher, masks and checks, timed inside; the sampler's own argmax
+or draw runs inside it too, so sampled rows count the draw that free decoding also pays). The mask runs on the engine
 thread, after the logits processors. The model is random (``tiny`` by default), so the text is
 noise, but the grammar's work per token is what a real model's would be.
 

@@ -39,6 +39,11 @@ except ImportError:  # a tree installed without it: structured outputs are refus
     llg = None
 
 
+# Up to this many candidate ids (32 a mask word that allows any) greedy takes the masked argmax
+# over the allowed ids alone, not over a masked copy of every logit.
+FEW_ALLOWED = 16384
+
+
 class GrammarError(ValueError):
     """A grammar the library cannot compile (a bad JSON schema); the API's 400."""
 
@@ -151,13 +156,19 @@ class TokenGrammar:
     def allows(self, token: int) -> bool:
         return 0 <= token < self.vocab_size and self._matcher.validate_tokens([token]) == 1
 
-    def refused(self, size: int, device: torch.device) -> torch.Tensor:
-        """The tokens the next position may not take, over ``size`` logits (ids past the
-        tokenizer's vocabulary, a model's padding rows, always refused). About 50 us on a CPU
-        for the 248k vocabulary, the matcher's mask a few of them."""
+    def _fill(self) -> np.ndarray:
+        """The next position's mask words (bit i of word w: token 32 w + i allowed)."""
         self.masks += 1
         words = self._words
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        return words
+
+    def refused(self, size: int, device: torch.device,
+                words: np.ndarray | None = None) -> torch.Tensor:
+        """The tokens the next position may not take, over ``size`` logits (ids past the
+        tokenizer's vocabulary, a model's padding rows, always refused). About 50 us on a CPU
+        for the 248k vocabulary, the matcher's mask a few of them."""
+        words = self._fill() if words is None else words
         n = min(size, self.vocab_size)
         bits = np.unpackbits((~words).view(np.uint8), bitorder="little")[:n]
         mask = torch.ones(size, dtype=torch.bool)
@@ -169,7 +180,8 @@ class TokenGrammar:
                sample: Callable[[torch.Tensor], int]) -> int:
         """The token at the position after ``so_far``: the sampler's over the allowed tokens.
         Greedy asks the grammar about the raw argmax first: allowed, it is the masked argmax
-        too (the first largest logit among the allowed), and no mask is computed."""
+        too (the first largest logit among the allowed), and no mask is computed; refused, the
+        argmax is taken over the allowed ids alone when they are few."""
         self._sync(so_far, committed)
         if self.broken:
             return sample(logits)
@@ -177,9 +189,28 @@ class TokenGrammar:
             token = argmax(logits)
             if self.allows(token):
                 return token
-        masked = logits.masked_fill(self.refused(logits.shape[-1], logits.device),
+            words = self._fill()
+            few = self._few_allowed(words, logits.shape[-1])
+            if few is not None and len(few):
+                # The masked argmax over the allowed ids alone, ascending: the first largest
+                # among them is the first largest of the masked logits (a NaN the largest).
+                return int(few[argmax(logits[torch.from_numpy(few).to(logits.device)])])
+        else:
+            words = self._fill()
+        masked = logits.masked_fill(self.refused(logits.shape[-1], logits.device, words),
                                     float("-inf"))
         return sample(masked)
+
+    def _few_allowed(self, words: np.ndarray, size: int) -> np.ndarray | None:
+        """The allowed ids, ascending, when they lie in few mask words (a JSON position allows
+        a few hundred tokens of 248k): reading those words costs microseconds where a masked
+        copy of every logit costs a hundred. None when they are many (free text)."""
+        at = np.flatnonzero(words)
+        if len(at) * 32 > FEW_ALLOWED:
+            return None
+        bits = np.unpackbits(words[at].view(np.uint8), bitorder="little").reshape(-1, 32)
+        ids = (at[:, None] * 32 + np.arange(32)[None, :])[bits.astype(bool)]
+        return ids[ids < min(size, self.vocab_size)]
 
     def valid_prefix(self, so_far: Sequence[int], committed: int,
                      drafts: Sequence[int]) -> int:
