@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence
 
 import torch
 
@@ -22,6 +22,9 @@ from tandem.cache.vocabulary import FinishReason
 from tandem.logprobs import PromptScorer, TokenLogprob, score
 from tandem.models.base import CacheState, Cost, Model, ModelError
 from tandem.tokens import common_prefix
+
+if TYPE_CHECKING:
+    from tandem.grammar import TokenGrammar
 
 
 class ContextOverflow(ModelError):
@@ -562,7 +565,8 @@ class Engine:
                        on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
                        on_prefill: Callable[[torch.Tensor], None] | None = None,
                        logits: torch.Tensor | None = None,
-                       stop_prefill: Callable[[], bool] | None = None
+                       stop_prefill: Callable[[], bool] | None = None,
+                       grammar: "TokenGrammar | None" = None
                        ) -> Generator["Step", torch.Tensor | None, GenerationResult]:
         """Prefill the prompt (resuming over the rows in place it shares), then decode. A
         generator of `Step`s: `CHUNK` between prefill chunks, and a `DecodeStep` for each
@@ -602,6 +606,11 @@ class Engine:
         ``stop_prefill()`` is polled between two prefill chunks (idle work that yields): True
         ends the generation there, "cancelled" with no token, the rows in place ending at the
         last chunk forwarded (its caller puts back whatever it stashed).
+
+        ``grammar`` (tandem.grammar.TokenGrammar: structured outputs, a forced tool call) masks
+        every sampled position after the logits processors, greedy and sampled, asked with the
+        tokens before the position as the processors are; a verify block carries only the
+        drafts it allows, and the generation stops ("stop") once the output completes it.
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
@@ -668,6 +677,9 @@ class Engine:
             if on_token is not None and on_token(token):
                 finish = "stop"
                 return True
+            if grammar is not None and grammar.complete(out, len(out)):
+                finish = "stop"
+                return True
             return len(out) >= params.max_tokens
 
         def target(logits: torch.Tensor, so_far: list[int]) -> int:
@@ -685,6 +697,8 @@ class Engine:
                 return forced
             if processors is not None:
                 logits = processors(logits, so_far, len(out))
+            if grammar is not None:
+                return grammar.choose(logits, so_far, len(out), params.greedy, argmax, sampler)
             return sampler(logits)
 
         token = target(logits, out) if params.max_tokens > 0 else None
@@ -703,6 +717,8 @@ class Engine:
             # sampled from the block's logits, never forwarded.
             room = min(self.window - self.length - 1, params.max_tokens - len(out) - 1, k)
             drafts = list(draft(context, room))[:room] if draft is not None and room > 0 else []
+            if drafts and grammar is not None:
+                drafts = drafts[:grammar.valid_prefix(out, len(out), drafts)]
             if not drafts:
                 logits = yield DecodeStep(self, token)
                 token = target(logits, out)

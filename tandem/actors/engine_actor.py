@@ -102,6 +102,7 @@ from tandem.cache.store import StateStore
 from tandem.choices import Choices, DecodeBatch, choice_params, decode_steps, sent
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
+from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
 from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
@@ -1708,6 +1709,14 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
                      else None)
             speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
+
+        if job.generation_params.grammar is not None:
+            # Compiled here, on the engine thread (milliseconds for a schema), as every mask
+            # after it: the loop never waits on a grammar. One matcher a choice: it keeps the
+            # state of the tokens its choice wrote.
+            if self.tokenizer is None:
+                raise ModelError("structured outputs need the model's tokenizer")
+            speculate["grammar"] = TokenGrammar(self.tokenizer, job.generation_params.grammar)
 
         entry = None  # the logprobs of the token on_token sees next (the engine's order)
         generated = 0

@@ -46,6 +46,9 @@ class GenerationParams(msgspec.Struct, frozen=True):
     # prefill cold. Part of the response cache's key, as every field here.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Structured outputs and forced tool calls: a grammar (llguidance's serialised form,
+    # tandem.grammar) the output is held to, checked when the request was read; None: free.
+    grammar: str | None = None
 
 
 # -- generation ------------------------------------------------------------------------------

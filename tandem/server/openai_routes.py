@@ -50,6 +50,7 @@ from tandem.server.schema import ChatCompletionRequest, CompletionRequest, _Samp
 from tandem.server.sessions import session_key
 from tandem.server.side import is_side_request
 from tandem.server.state import STATE, ServerState
+from tandem.server.structured import chat_grammar
 from tandem.tokens import common_prefix
 
 log = structlog.get_logger("tandem.server")
@@ -310,6 +311,9 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
         prepared.note_session(ctx.session, _client(ctx.request))  # an agent's conversation
     if not extra["side"] and (ask := compaction_request(req.messages, req.tools)) is not None:
         prompt_ids, params = await _compaction(ctx, req, ask, prompt_ids, params, extra)
+    # After the compaction, which may serve another prompt: the grammar starts where it ends.
+    if (grammar := await asyncio.to_thread(chat_grammar, state, req, extra["thinking"])):
+        params = msgspec.structs.replace(params, grammar=grammar)
     return req, prompt_ids, params, stops, extra
 
 

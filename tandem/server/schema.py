@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI routes as msgspec Structs, and their checks.
 
 Unknown fields are ignored (clients send many harmless ones: ``user``, ``metadata``, ...); fields that would change the answer in a way tandem cannot honour are refused with a
-400 naming the parameter (``n`` above the server's ``max_n``, a JSON ``response_format``, a
-forced ``tool_choice``, ``suffix``, ``best_of`` > 1). A wrong type is a 400 naming the field.
+400 naming the parameter (``n`` above the server's ``max_n``, ``suffix``, ``best_of`` > 1). A
+wrong type is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # False: a forced tool_choice makes one call
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     def check(self) -> None:
@@ -122,15 +123,11 @@ class ChatCompletionRequest(_Sampling, frozen=True, kw_only=True):
         if self.top_logprobs is not None and not self.logprobs:
             # OpenAI's and vLLM's answer: top_logprobs is a part of logprobs.
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request("response_format other than text is not supported",
-                              "response_format", "unsupported_parameter")
+        # response_format and a forcing tool_choice are read into a grammar when the prompt is
+        # rendered (tandem.models.structured: a shape OpenAI does not take is a 400 there).
         choice = self.tool_choice
         if isinstance(choice, str) and choice not in ("none", "auto", "required"):
             raise bad_request(f"unknown tool_choice {choice!r}", "tool_choice")
-        if choice == "required" or isinstance(choice, dict):
-            raise bad_request("tool_choice 'required' or a named function is not supported "
-                              "(use 'auto' or 'none')", "tool_choice", "unsupported_parameter")
 
     @property
     def limit(self) -> int | None:
