@@ -182,3 +182,17 @@ async def test_streamed_structured_answers_parse(small_loaded, make_config, serv
     args = "".join(d["function"].get("arguments", "") for d in deltas)
     assert json.loads(args)["city"] in ("Paris", "Rome")
     assert [c[0]["finish_reason"] for c in streams[1] if c][-1] == "tool_calls"
+
+
+async def test_every_one_of_n_sampled_choices_is_held_to_the_schema(small_loaded, make_config,
+                                                                   serve):
+    # Each choice compiles its own matcher: a shared one would see the tokens of every choice.
+    async with serve(build_app(make_config(), small_loaded)) as server, \
+            aiohttp.ClientSession() as s:
+        base = f"http://127.0.0.1:{server.port}"
+        doc = await chat(s, base, n=3, temperature=0.9, seed=11, response_format=TRIP_FORMAT)
+        alone = await chat(s, base, temperature=0.9, seed=12, response_format=TRIP_FORMAT)
+    texts = [c["message"]["content"] for c in sorted(doc["choices"], key=lambda c: c["index"])]
+    assert len(texts) == 3
+    assert all(valid_trip(parsed(t)) for t in texts), texts
+    assert texts[1] == alone["choices"][0]["message"]["content"]  # choice 1 is seed + 1's
