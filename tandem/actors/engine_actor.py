@@ -98,9 +98,11 @@ from tandem.cache.planner import Planner
 from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer,
                                    ResidentPrefix, Resume, choose, park_offer, resident_offer)
 from tandem.cache.store import StateStore
+from tandem.cache.tower import ImagePlacer, TowerCache
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.models.base import ModelError
+from tandem.models.image_keys import is_key, text_runs
 from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
 
@@ -213,6 +215,8 @@ class _Job:
         self.view = RequestView(self.request_id, "prefill", len(self.prompt_ids))
         self.staged: dict[int, Any] = {}  # engine thread: disk anchors' sections by line
         self.disk_told = False  # the writer was told its job (or its plan was given back)
+        self.images = msg.images  # the prompt's images (prompt_ids are then its key ids)
+        self.placer: ImagePlacer | None = None  # engine thread: their tower runs and hits
 
 
 @dataclass
@@ -284,7 +288,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                  disk_writer: Actor | None = None,
                  make_spill: Callable[[Engine, Any], Any] | None = None,
                  spill_writer: Actor | None = None, spill_min_tokens: int = 16384,
-                 spill_park_min_tokens: int = 4096,
+                 spill_park_min_tokens: int = 4096, tower_cache: TowerCache | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -416,6 +420,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         self.speculation = speculation
         self.draft_max = draft_max
         self.suffix = suffix
+        # The vision tower's output by image digest (image_cache_mb): the engine thread's.
+        self.tower_cache = tower_cache
+        self.image_stats = tower_cache.statistics() if tower_cache is not None else None
         self.drafted_total = 0
         self.accepted_total = 0
         self.engine: Engine | None = None
@@ -537,6 +544,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         """On the engine thread: the caches' counters, made here and stored by the loop."""
         if self.resident is not None:
             self._to_loop(self._set_cache_stats, self._statistics(self.resident), self._slot)
+        if self.tower_cache is not None:
+            self._to_loop(setattr, self, "image_stats", self.tower_cache.statistics())
 
     def _statistics(self, composer: ResidentPrefix) -> dict:
         """A slot's counters (on the thread that holds its composer)."""
@@ -782,6 +791,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             engine.reset()
             release_rows(engine.state, 0)
             self._thread_backed[i] = 0
+        if self.tower_cache is not None:
+            self.tower_cache.clear()
+            self._to_loop(setattr, self, "image_stats", self.tower_cache.statistics())
 
     def _accept(self, msg: Generate) -> GenerationAccepted | GenerationRejected:
         if self._draining:
@@ -1286,16 +1298,17 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                              r.decisive)
         theirs = ParkOffer(p.pin_point, p.park_point)
         # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
+        # A prompt with images replays no hidden span (spec): its copy resumes as it came.
         alignment = (await self._align(job) if r.holdings.records is not None and not scored
-                     and not job.side else None)
+                     and not job.side and not job.images else None)
         served = alignment.served if alignment is not None else prompt
         spill_offer = None
         if alignment is None and not scored and self.spill is not None:
             # The spill's entry for the copy: as it came, or aligned on the entry's own end
             # (a copy without its reasoning resumes there, as in RAM). The alignment is taken
             # only when the entry would serve over the resident's offer of the copy.
-            spill_offer, spill_alignment = self._spill_candidate(job, prompt,
-                                                                 r.holdings.records)
+            spill_offer, spill_alignment = self._spill_candidate(
+                job, prompt, r.holdings.records if not job.images else None)
             if spill_alignment is not None and weigh(
                     spill_offer, mine.resume.start, len(spill_alignment.served),
                     self.view.prefix_chunk or 1, self._prefill_rate(),
@@ -1550,6 +1563,17 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
                      else None)
             speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
+        if job.images:
+            # The tower runs here, on the engine thread, through its cache, for the images
+            # whose rows the prefill forwards (tandem.cache.tower.ImagePlacer).
+            job.placer = ImagePlacer(job.images, getattr(engine.model, "images", None),
+                                     self.tower_cache)
+            speculate["images"] = job.placer
+            if "draft" in speculate:
+                # The prompt's context holds key ids: a draft stops before one (no image row
+                # is ever forwarded as a generated token).
+                propose = speculate["draft"]
+                speculate["draft"] = lambda context, k: _text_prefix(propose(context, k))
 
         entry = None  # the logprobs of the token on_token sees next (the engine's order)
 
@@ -1603,7 +1627,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         else:
             # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
             alignment = (ends.align(job.prompt_ids, job.namespace)
-                         if ends is not None and params.prompt_logprobs is None else None)
+                         if ends is not None and params.prompt_logprobs is None
+                         and not job.images else None)
             served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
@@ -1871,7 +1896,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                               + outcome.alignment.replayed_reasoning
                               if outcome.alignment else 0),
                 hidden_tokens=len(_hidden(outcome.budget, result.token_ids)),
-                drafted=result.drafted, accepted=result.accepted, slot=job.slot),
+                drafted=result.drafted, accepted=result.accepted, slot=job.slot,
+                tower_runs=job.placer.runs if job.placer else 0,
+                tower_hits=job.placer.hits if job.placer else 0),
                 job)
             self.drafted_total += result.drafted
             self.accepted_total += result.accepted
@@ -1893,8 +1920,13 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         out = outcome.result.token_ids
         if outcome.budget is not None:
             out = outcome.budget.visible(out)
+        prompt = list(job.prompt_ids)
+        if job.images:
+            # The store never receives placeholder rows: the text after the last image only.
+            runs = text_runs(prompt)
+            prompt = runs[-1] if runs and not is_key(prompt[-1]) else []
         try:
-            suffix.try_tell(SuffixAppend(list(job.prompt_ids), list(out)), sender=self)
+            suffix.try_tell(SuffixAppend(prompt, list(out)), sender=self)
         except (MailboxFull, ActorStopped):
             log.warning("suffix_append_dropped", request_id=job.request_id)
 
@@ -1983,6 +2015,15 @@ def _engine_steps(engine: Any, prompt: Sequence[int], params: SamplingParams, **
     if steps is None:
         return engine.generate(prompt, params, **options)
     return (yield from steps(prompt, params, **options))
+
+
+def _text_prefix(drafts: Sequence[int]) -> list[int]:
+    out = []
+    for t in drafts:
+        if is_key(t):
+            break
+        out.append(t)
+    return out
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

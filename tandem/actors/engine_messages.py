@@ -84,6 +84,9 @@ class Generate(Message):
     # session's slot, over a stash; any other Generate or a drain cancels it at once, and its
     # cancel stops its prefill at the next chunk (tandem/actors/engine_idle.py).
     idle: bool = False
+    # The prompt's images in order (tandem.models.image_keys.ImageInput: key, digest, grid,
+    # patches); ``prompt_ids`` are then its key ids, each image's rows its key.
+    images: list[Any] = []
 
 
 class ClearCaches(Message):
@@ -231,6 +234,8 @@ class GenerationFinished(Message):
     drafted: int = 0  # tokens the lookup drafter proposed
     accepted: int = 0  # of them, those the verify blocks accepted
     slot: int = 0  # the slot it ran in (tandem/cache/slots.py)
+    tower_runs: int = 0  # images the vision tower encoded for this prompt
+    tower_hits: int = 0  # images the tower's cache answered
 
 
 class GenerationFailed(Message):
