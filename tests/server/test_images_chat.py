@@ -251,3 +251,40 @@ def test_the_route_keys_a_rendered_prompt_once_an_image(vl_loaded):
     keys = PromptImageSet(messages=[], inputs=[one]).key_ids(ids, support.image_token_id)
     assert len(keys) == len(ids) + 19 and keys.count(one.key) == 20
     assert support.image_token_id not in keys
+
+
+async def test_key_ids_through_the_spill_a_restart_resumes_the_same_pixels_and_not_new_ones(
+        vl_loaded, make_config, serve, sdk):
+    """A planned stop writes the image conversation to the NVMe (its rows' ids, the images'
+    keys among them); the next process reads it back: the same pixels under another URL resume
+    inside the image, new pixels resume no further than before it."""
+    from tandem.config import DiskConfig, SpeculationConfig, SpillConfig
+
+    config = msgspec.structs.replace(
+        _config(make_config), speculation=SpeculationConfig(speculation="off"),
+        disk=DiskConfig(disk_cache_min_free_gb=0, disk_cache_min_tokens=1 << 20),
+        spill=SpillConfig(session_spill_min_tokens=64, session_spill_park_min_tokens=64))
+    system = {"role": "system", "content": SYSTEM}
+
+    async def ask(client, data, text):
+        return await client.chat.completions.create(
+            model="small", messages=[system, _user(_url(data), text)], max_tokens=4,
+            temperature=0, extra_body=dict(OFF, session_id="s"))
+
+    async with serve(build_app(config, vl_loaded)) as server:
+        await ask(sdk(server), _png(8), "What is in this picture?")
+    head = len(encode_chat(vl_loaded.tokenizer, [system], None, add_generation_prompt=False))
+    image_start = head + 3
+    app = build_app(config, vl_loaded)
+    async with serve(app) as server:
+        client = sdk(server)
+        same = await ask(client, _png(8, level=9), "What colours does it have?")
+        # resumed at the spill's grid line past the image's first rows (the line at 128 lies
+        # inside it: the tower runs once for its last rows)
+        assert same.usage.prompt_tokens_details.cached_tokens >= \
+            (image_start + 20) // 64 * 64 > image_start, _cache(same)
+    app = build_app(config, vl_loaded)
+    async with serve(app) as server:
+        new = await ask(sdk(server), _png(9), "What colours does it have?")
+        assert new.usage.prompt_tokens_details.cached_tokens <= image_start, _cache(new)
+        assert app[STATE].journal.tail(1)[-1]["extra"]["images"]["tower_runs"] == 1
