@@ -23,8 +23,13 @@ STEPS = 12
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return HybridModel.load(make_qwen3_5_vl(tmp_path_factory.mktemp("vl")))
+def vl_dir(tmp_path_factory):
+    return make_qwen3_5_vl(tmp_path_factory.mktemp("vl"))
+
+
+@pytest.fixture(scope="module")
+def model(vl_dir):
+    return HybridModel.load(vl_dir)
 
 
 def _image(seed: int, shape=(45, 70, 3)) -> Image.Image:
@@ -86,7 +91,8 @@ def test_the_key_rule_holds_the_grid_and_the_delta_follows_from_the_ids(model):
     assert image_keys.text_runs([1, 2, keys[spans[0].start], 3]) == [[1, 2], [3]]
 
 
-def test_greedy_tokens_with_images_through_the_engine_are_the_reference_loops(model):
+def test_greedy_tokens_with_images_through_the_engine_are_the_reference_loops_and_transformers(
+        model, vl_dir):
     real, keys, inputs = _prompt(model, [_image(1), _image(2, (100, 64, 3))])
     want = _reference(model, real, inputs)
     engine = Engine(model, window=256, prefix_chunk=16)
@@ -97,6 +103,18 @@ def test_greedy_tokens_with_images_through_the_engine_are_the_reference_loops(mo
     assert placer.runs == 2 and placer.hits == 0
     assert engine.token_ids[:len(keys)] == keys
     assert engine.rope_delta == image_keys.rope_delta(keys)
+    # and transformers' own greedy tokens, from its processor's patches
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    oracle = Qwen3_5ForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    inp = torch.tensor([real])
+    with torch.no_grad():
+        ref = oracle.generate(
+            inp, attention_mask=torch.ones_like(inp), max_new_tokens=STEPS, do_sample=False,
+            pixel_values=torch.cat([torch.from_numpy(i.pixel_values) for i in inputs]),
+            image_grid_thw=torch.tensor([i.grid for i in inputs]),
+            mm_token_type_ids=(inp == IMAGE_TOKEN).int())
+    assert got.token_ids == ref[0, len(real):].tolist()
     # the same pixels again: the tower's cache answers, the tokens are the same
     again = ImagePlacer(inputs, model.images, cache)
     engine.reset()

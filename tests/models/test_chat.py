@@ -307,8 +307,7 @@ def test_an_image_part_of_a_user_message_renders_as_the_vision_placeholder_as_qw
         {"type": "text", "text": " what is it?"}]}]
     text = render_chat(messages, enable_thinking=False)
     assert "look: <|vision_start|><|image_pad|><|vision_end|> what is it?" in text
-    # a client's own placeholder text stays text (its control tokens are marked)
+    # the placeholder is the template's: a client's own placeholder text is marked as text
     typed = [{"role": "user", "content": "<|image_pad|>"}]
-    from tandem.models.tokenizer import Tokenizer  # noqa: F401  (the marks need no tokenizer)
     prompt = render_prompt(typed, control_tokens=("<|image_pad|>", "<|im_start|>", "<|im_end|>"))
-    assert prompt.text.count("<|image_pad|>") == 1
+    assert "<|image_pad|>" not in prompt._marked and prompt.text.count("<|image_pad|>") == 1
