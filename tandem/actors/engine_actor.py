@@ -1563,17 +1563,6 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             store = (self.suffix.store if self.suffix is not None and job.namespace == SHARED
                      else None)
             speculate = {"draft": LookupDrafter(store).propose, "draft_max": self.draft_max}
-        if job.images:
-            # The tower runs here, on the engine thread, through its cache, for the images
-            # whose rows the prefill forwards (tandem.cache.tower.ImagePlacer).
-            job.placer = ImagePlacer(job.images, getattr(engine.model, "images", None),
-                                     self.tower_cache)
-            speculate["images"] = job.placer
-            if "draft" in speculate:
-                # The prompt's context holds key ids: a draft stops before one (no image row
-                # is ever forwarded as a generated token).
-                propose = speculate["draft"]
-                speculate["draft"] = lambda context, k: _text_prefix(propose(context, k))
 
         entry = None  # the logprobs of the token on_token sees next (the engine's order)
 
@@ -1596,6 +1585,12 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         if params.prompt_logprobs is not None:
             scoring["on_prompt_logprobs"] = lambda entries: self._post(
                 job, PromptLogprobs(job.request_id, entries))
+        if job.images:
+            # The prefill's: the tower runs here, on the engine thread, through its cache, for
+            # the images whose rows the prefill forwards (tandem.cache.tower.ImagePlacer).
+            job.placer = ImagePlacer(job.images, getattr(engine.model, "images", None),
+                                     self.tower_cache)
+            scoring["images"] = job.placer
 
         if resident is None:
             if self.governor is not None:
@@ -1896,9 +1891,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                               + outcome.alignment.replayed_reasoning
                               if outcome.alignment else 0),
                 hidden_tokens=len(_hidden(outcome.budget, result.token_ids)),
-                drafted=result.drafted, accepted=result.accepted, slot=job.slot,
-                tower_runs=job.placer.runs if job.placer else 0,
-                tower_hits=job.placer.hits if job.placer else 0),
+                drafted=result.drafted, accepted=result.accepted, slot=job.slot),
                 job)
             self.drafted_total += result.drafted
             self.accepted_total += result.accepted
@@ -1942,6 +1935,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         stopped or is full) has lost the request: the job is cancelled."""
         if sink is None:
             return
+        if job is not None and job.placer is not None and isinstance(msg, GenerationFinished):
+            msg = msgspec.structs.replace(msg, tower_runs=job.placer.runs,
+                                          tower_hits=job.placer.hits)
         try:
             if isinstance(sink, Actor):
                 sink.try_tell(msg, sender=self)
@@ -2015,15 +2011,6 @@ def _engine_steps(engine: Any, prompt: Sequence[int], params: SamplingParams, **
     if steps is None:
         return engine.generate(prompt, params, **options)
     return (yield from steps(prompt, params, **options))
-
-
-def _text_prefix(drafts: Sequence[int]) -> list[int]:
-    out = []
-    for t in drafts:
-        if is_key(t):
-            break
-        out.append(t)
-    return out
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

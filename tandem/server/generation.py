@@ -138,9 +138,9 @@ class Run:
                  prompt_ids: list[int], params: GenerationParams, stops: list[str],
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
                  marks: PromptMarks | None = None, side: bool = False,
+                 images: Any = None,
                  client_prompt_tokens: int | None = None, compaction: dict | None = None,
-                 prepared: Any = None, head_parts: tuple[int, int] | None = None,
-                 images: Any = None) -> None:
+                 prepared: Any = None, head_parts: tuple[int, int] | None = None) -> None:
         self.state = state
         self.marks = marks  # a chat prompt's parts, for the disk tier's head
         self.side = side  # a side request (tandem/server/side.py)
@@ -251,8 +251,9 @@ class Run:
         if self._answer_prepared() or self._answer_from_memory():
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
+                       images=self.images.inputs if self.images else [],
                        session=self.session, namespace=self.namespace, marks=self.marks,
-                       side=self.side, images=self.images.inputs if self.images else [])
+                       side=self.side)
         try:
             reply = await self.state.engine.ask(msg, self.state.ask_timeout_s, sender="server")
         except TimeoutError:

@@ -208,10 +208,11 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
                       arrived_s=ctx.arrived_s,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
+                      images=extra.get("images"),
                       marks=extra.get("marks"), side=extra.get("side", False),
                       client_prompt_tokens=extra.get("client_prompt_tokens"),
                       compaction=extra.get("compaction"), prepared=extra.get("prepared"),
-                      head_parts=extra.get("head_parts"), images=extra.get("images"))
+                      head_parts=extra.get("head_parts"))
         await ctx.run.start()
         response = await answer(ctx, req, ctx.run, extra)
         status, code = response.status, None
