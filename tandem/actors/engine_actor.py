@@ -97,8 +97,8 @@ from tandem.cache.vocabulary import Source
 from tandem.cache.planner import Planner
 from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer,
                                    ResidentPrefix, Resume, choose, park_offer, resident_offer)
+from tandem.cache.tower import ImagePlacer, TowerCache  # noqa: I001 (beside the caches)
 from tandem.cache.store import StateStore
-from tandem.cache.tower import ImagePlacer, TowerCache
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.models.base import ModelError
