@@ -21,6 +21,7 @@ import torch
 from tandem.cache.vocabulary import FinishReason
 from tandem.logprobs import PromptScorer, TokenLogprob, score
 from tandem.models.base import CacheState, Cost, Model, ModelError
+from tandem.models.image_keys import KEY_BASE, rope_delta
 from tandem.tokens import common_prefix
 
 if TYPE_CHECKING:
@@ -332,9 +333,11 @@ def decode_batch(steps: Sequence[DecodeStep]) -> list[torch.Tensor]:
     if len({id(s.engine) for s in steps}) != len(steps):
         raise ValueError("one sequence twice in a batched decode step")
     positions = [s.engine._decode_position() for s in steps]
+    offsets = [s.engine.rope_delta for s in steps]
     with torch.inference_mode():
         logits = model.forward_batch([s.engine.state for s in steps],
-                                     [int(s.token_id) for s in steps], positions)
+                                     [int(s.token_id) for s in steps], positions,
+                                     **({"rope_offsets": offsets} if any(offsets) else {}))
     for s, pos in zip(steps, positions):
         s.engine._decoded(s.token_id, pos)
     return list(logits)
@@ -358,6 +361,10 @@ class Engine:
         # it on is not a cold grid prefill's); None when none was.
         self.taint: int | None = None
         self.pending: PendingCommit | None = None
+        # The rotary offset of a row forwarded past the rows in place as text: the images'
+        # delta, a function of the rows' key ids (tandem.models.image_keys), so every copy of
+        # the rows carries it. Set after each prefill and resume; decode keeps it.
+        self.rope_delta = 0
 
     # -- the adapter interface (DESIGN.md) -------------------------------------------------
 
@@ -427,6 +434,7 @@ class Engine:
             self.taint = None
         if n == 0:
             self.state.zero_()
+        self.rope_delta = rope_delta(self.token_ids)
 
     def cost(self) -> Cost:
         return self.model.cost(self.window, self.prefix_chunk)
@@ -453,7 +461,7 @@ class Engine:
 
     def prefill_steps(self, token_ids: Sequence[int],
                       on_chunk: Callable[[int], None] | None = None,
-                      scorer: PromptScorer | None = None
+                      scorer: PromptScorer | None = None, images: Any = None
                       ) -> Generator["Step", torch.Tensor | None, torch.Tensor]:
         """Forward ``token_ids`` past the rows in place, on the grid; the last position's logits.
         A generator: it yields `CHUNK` between chunks, where a scheduler may run other
@@ -463,6 +471,9 @@ class Engine:
         at least one token must be new, since the logits come from forwarding it.
         ``on_chunk(end)`` runs after each chunk, with the engine at length ``end``.
         ``scorer`` gets every forwarded position's logits (it needs the prefill from token 0).
+        ``images`` (models/vision.py PromptImages of ``token_ids``, key ids: image_keys) gives
+        each chunk its image rows and 3-D positions; without it, rows forwarded past the rows in
+        place turn at their index plus ``rope_delta`` and none may be an image row.
         """
         n = self.length
         if len(token_ids) > self.window:
@@ -480,33 +491,53 @@ class Engine:
             # greedy gate only. The one place for every resume path, since all prefill here.
             self.taint = n
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        fwd, extra = self._forwarded(ids, n, images)
         logits = None
         for start, end in grid_chunks(n, len(token_ids), self.prefix_chunk):
+            if images is not None:
+                extra = images.chunk(start, end)
             # Inference mode is a thread's setting: it is entered for each chunk and left
             # before the yield, so that what the scheduler runs between two chunks (another
             # sequence's end anchor, its copies) never runs in it.
             with torch.inference_mode():
                 if scorer is None:
                     # Only the last chunk's logits are read: the others skip the head.
-                    logits = self.model.forward(self.state, ids[start:end], start,
-                                                logits=end == len(token_ids))
+                    logits = self.model.forward(self.state, fwd[start:end], start,
+                                                logits=end == len(token_ids), **extra)
                 else:
                     logits = self.model.forward(
-                        self.state, ids[start:end], start,
-                        on_logits=lambda first, rows, at=start: scorer.rows(at + first, rows))
+                        self.state, fwd[start:end], start,
+                        on_logits=lambda first, rows, at=start: scorer.rows(at + first, rows),
+                        **extra)
                     scorer.last(end - 1, logits)
                 self.token_ids.extend(ids[start:end].tolist())
                 if on_chunk is not None:
                     on_chunk(end)
             if end < len(token_ids):
                 yield CHUNK
+        if images is not None:
+            self.rope_delta = images.delta
         return logits
+
+    def _forwarded(self, ids: torch.Tensor, n: int, images: Any) -> tuple[torch.Tensor, dict]:
+        """The ids the model embeds (key ids back to the placeholder, whose rows the images
+        replace) and the forward's rotary arguments, for a prefill from row ``n``."""
+        if images is None:
+            if bool((ids[n:] >= KEY_BASE).any()):
+                raise ModelError("the prompt holds image rows without their images")
+            return ids, ({"rope_offset": self.rope_delta} if self.rope_delta else {})
+        support = getattr(self.model, "images", None)
+        if support is None:
+            raise ModelError("this model reads no images: it has no vision tower")
+        return ids.masked_fill(ids >= KEY_BASE, support.image_token_id), {}
 
     def decode(self, token_id: int) -> torch.Tensor:
         """Forward one generated token with the recurrent step; its row is tainted."""
         pos = self._decode_position()
         with torch.inference_mode():
-            logits = self.model.forward(self.state, torch.tensor([token_id]), pos, decode=True)
+            logits = self.model.forward(self.state, torch.tensor([token_id]), pos, decode=True,
+                                        **({"rope_offset": self.rope_delta}
+                                           if self.rope_delta else {}))
         self._decoded(token_id, pos)
         return logits
 
@@ -533,7 +564,8 @@ class Engine:
             raise ContextOverflow(pos + n, self.window)
         with torch.inference_mode():
             logits, steps = self.model.forward_verify(
-                self.state, torch.tensor(list(token_ids), dtype=torch.long), pos)
+                self.state, torch.tensor(list(token_ids), dtype=torch.long), pos,
+                **({"rope_offset": self.rope_delta} if self.rope_delta else {}))
         self.pending = PendingCommit(pos, steps, n - 1, self.taint)
         self.token_ids.extend(int(t) for t in token_ids)
         if self.taint is None:
@@ -561,6 +593,7 @@ class Engine:
                        force: Callable[[list[int]], int | None] | None = None,
                        draft: Callable[[list[int], int], list[int]] | None = None,
                        draft_max: int = 0,
+                       images: Any = None,
                        on_logprobs: Callable[[TokenLogprob], None] | None = None,
                        on_prompt_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
                        on_prefill: Callable[[torch.Tensor], None] | None = None,
@@ -603,6 +636,10 @@ class Engine:
         are the whole prompt (a cache restored its state there): nothing is forwarded and the
         first token is sampled from them (read, never written).
 
+        ``images`` (tandem.cache.tower.ImagePlacer): the prompt's images, ``prompt_ids`` being
+        its key ids (tandem.models.image_keys); placed once the resume is known, so the tower
+        runs only for an image whose rows are forwarded. Decode turns at ``rope_delta``.
+
         ``stop_prefill()`` is polled between two prefill chunks (idle work that yields): True
         ends the generation there, "cancelled" with no token, the rows in place ending at the
         last chunk forwarded (its caller puts back whatever it stashed).
@@ -635,7 +672,9 @@ class Engine:
         self.resume_at(reuse)
         t0 = time.perf_counter()
         if logits is None:
-            prefill = self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer)
+            placed = images.place(prompt_ids, reuse) if images is not None else None
+            prefill = self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer,
+                                         images=placed)
             if stop_prefill is not None:
                 prefill = _stoppable(prefill, stop_prefill)
             logits = yield from prefill

@@ -40,3 +40,21 @@ def make_small_hybrid(path: Path, *, tokenizer: bool = True) -> Path:
     if tokenizer:
         write_qwen_tokenizer(path)
     return path
+
+
+def make_small_vl(path: Path) -> Path:
+    """The small hybrid with tiny's recipe of a vision tower (out to the small width) and
+    tiny's image processor (an image is 16 to 256 rows), with the real Qwen tokenizer."""
+    from tandem.models.tiny import (TINY_IMAGE_FIELDS, TINY_PREPROCESSOR, TINY_VISION_CONFIG,
+                                    _vision_weights)
+
+    vision = dict(TINY_VISION_CONFIG, out_hidden_size=SMALL_CONFIG["hidden_size"])
+    config = dict(SMALL_CONFIG, **dict(TINY_IMAGE_FIELDS, vision_config=vision))
+    config["rope_parameters"] = dict(SMALL_CONFIG["rope_parameters"], mrope_section=[0, 1, 1])
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    weights = dict(_long_memory(_weights(SMALL_CONFIG)), **_vision_weights(vision))
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR))
+    write_qwen_tokenizer(path)
+    return path

@@ -98,12 +98,14 @@ from tandem.cache.vocabulary import Source
 from tandem.cache.planner import Planner
 from tandem.cache.resident import (PARK_STATS, Decided, ParkOffer, ResidentOffer,
                                    ResidentPrefix, Resume, choose, park_offer, resident_offer)
+from tandem.cache.tower import ImagePlacer, TowerCache  # noqa: I001 (beside the caches)
 from tandem.cache.store import StateStore
 from tandem.choices import Choices, DecodeBatch, choice_params, decode_steps, sent
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
+from tandem.models.image_keys import is_key, text_runs
 from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
 
@@ -216,6 +218,8 @@ class _Job:
         self.view = RequestView(self.request_id, "prefill", len(self.prompt_ids))
         self.staged: dict[int, Any] = {}  # engine thread: disk anchors' sections by line
         self.disk_told = False  # the writer was told its job (or its plan was given back)
+        self.images = msg.images  # the prompt's images (prompt_ids are then its key ids)
+        self.placer: ImagePlacer | None = None  # engine thread: their tower runs and hits
 
 
 @dataclass
@@ -289,7 +293,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                  disk_writer: Actor | None = None,
                  make_spill: Callable[[Engine, Any], Any] | None = None,
                  spill_writer: Actor | None = None, spill_min_tokens: int = 16384,
-                 spill_park_min_tokens: int = 4096,
+                 spill_park_min_tokens: int = 4096, tower_cache: TowerCache | None = None,
                  mailbox_capacity: int = 256, **actor_options: Any) -> None:
         """``make_engine`` runs on the engine thread in on_start (it allocates the buffers);
         ``make_resident`` builds the resident prefix over it there (None: no caches);
@@ -422,6 +426,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         self.speculation = speculation
         self.draft_max = draft_max
         self.suffix = suffix
+        # The vision tower's output by image digest (image_cache_mb): the engine thread's.
+        self.tower_cache = tower_cache
+        self.image_stats = tower_cache.statistics() if tower_cache is not None else None
         self.drafted_total = 0
         self.accepted_total = 0
         self.engine: Engine | None = None
@@ -544,6 +551,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         """On the engine thread: the caches' counters, made here and stored by the loop."""
         if self.resident is not None:
             self._to_loop(self._set_cache_stats, self._statistics(self.resident), self._slot)
+        if self.tower_cache is not None:
+            self._to_loop(setattr, self, "image_stats", self.tower_cache.statistics())
 
     def _statistics(self, composer: ResidentPrefix) -> dict:
         """A slot's counters (on the thread that holds its composer)."""
@@ -789,6 +798,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             engine.reset()
             release_rows(engine.state, 0)
             self._thread_backed[i] = 0
+        if self.tower_cache is not None:
+            self.tower_cache.clear()
+            self._to_loop(setattr, self, "image_stats", self.tower_cache.statistics())
 
     def _accept(self, msg: Generate) -> GenerationAccepted | GenerationRejected:
         if self._draining:
@@ -1303,16 +1315,17 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                              r.decisive)
         theirs = ParkOffer(p.pin_point, p.park_point)
         # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
+        # A prompt with images replays no hidden span (spec): its copy resumes as it came.
         alignment = (await self._align(job) if r.holdings.records is not None and not scored
-                     and not job.side else None)
+                     and not job.side and not job.images else None)
         served = alignment.served if alignment is not None else prompt
         spill_offer = None
         if alignment is None and not scored and self.spill is not None:
             # The spill's entry for the copy: as it came, or aligned on the entry's own end
             # (a copy without its reasoning resumes there, as in RAM). The alignment is taken
             # only when the entry would serve over the resident's offer of the copy.
-            spill_offer, spill_alignment = self._spill_candidate(job, prompt,
-                                                                 r.holdings.records)
+            spill_offer, spill_alignment = self._spill_candidate(
+                job, prompt, r.holdings.records if not job.images else None)
             if spill_alignment is not None and weigh(
                     spill_offer, mine.resume.start, len(spill_alignment.served),
                     self.view.prefix_chunk or 1, self._prefill_rate(),
@@ -1556,6 +1569,12 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         if params.prompt_logprobs is not None:
             scoring["on_prompt_logprobs"] = lambda entries: self._post(
                 job, PromptLogprobs(job.request_id, entries))
+        if job.images:
+            # The prefill's: the tower runs here, on the engine thread, through its cache, for
+            # the images whose rows the prefill forwards (tandem.cache.tower.ImagePlacer).
+            job.placer = ImagePlacer(job.images, getattr(engine.model, "images", None),
+                                     self.tower_cache)
+            scoring["images"] = job.placer
 
         if resident is None:
             if self.governor is not None:
@@ -1585,7 +1604,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         else:
             # A prompt scored for logprobs is the client's, forwarded cold: no rows are put back.
             alignment = (ends.align(job.prompt_ids, job.namespace)
-                         if ends is not None and params.prompt_logprobs is None else None)
+                         if ends is not None and params.prompt_logprobs is None
+                         and not job.images else None)
             served = alignment.served if alignment is not None else job.prompt_ids
         planner = self.planner
         parked_before = resident.parked
@@ -1972,8 +1992,13 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         out = outcome.result.token_ids
         if outcome.budget is not None:
             out = outcome.budget.visible(out)
+        prompt = list(job.prompt_ids)
+        if job.images:
+            # The store never receives placeholder rows: the text after the last image only.
+            runs = text_runs(prompt)
+            prompt = runs[-1] if runs and not is_key(prompt[-1]) else []
         try:
-            suffix.try_tell(SuffixAppend(list(job.prompt_ids), list(out)), sender=self)
+            suffix.try_tell(SuffixAppend(prompt, list(out)), sender=self)
         except (MailboxFull, ActorStopped):
             log.warning("suffix_append_dropped", request_id=job.request_id)
 
@@ -1989,6 +2014,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         stopped or is full) has lost the request: the job is cancelled."""
         if sink is None:
             return
+        if job is not None and job.placer is not None and isinstance(msg, GenerationFinished):
+            msg = msgspec.structs.replace(msg, tower_runs=job.placer.runs,
+                                          tower_hits=job.placer.hits)
         try:
             if isinstance(sink, Actor):
                 sink.try_tell(msg, sender=self)

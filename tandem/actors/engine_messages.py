@@ -80,6 +80,9 @@ class Generate(Message):
     # store unless it is the shared one.
     namespace: str = ""
     marks: PromptMarks | None = None  # a chat prompt's parts (None: a text prompt)
+    # The prompt's images in order (tandem.models.image_keys.ImageInput: key, digest, grid,
+    # patches); ``prompt_ids`` are then its key ids, each image's rows its key.
+    images: list[Any] = []
     # A chat client's side request (tandem/server/side.py: a title, tags, follow-ups): it
     # runs keeping nothing, never in the place of a conversation (tandem/cache/slots.py).
     side: bool = False
@@ -247,6 +250,8 @@ class GenerationFinished(Message):
     aligned: str | None = None  # how the client's copy met the end anchor (exact, glue, reasoning)
     end_replayed: int = 0  # hidden and reasoning rows served that the client's copy lacks
     hidden_tokens: int = 0  # generated tokens the client never sees
+    tower_runs: int = 0  # images the vision tower encoded for this prompt
+    tower_hits: int = 0  # images the tower's cache answered
     drafted: int = 0  # tokens the lookup drafter proposed
     accepted: int = 0  # of them, those the verify blocks accepted
     slot: int = 0  # the slot it ran in (tandem/cache/slots.py)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tandem.cache.suffix import PersistentSuffixStore
+from tandem.models.image_keys import KEY_BASE, has_keys
 
 MAX_CANDIDATES = 64  # most recent occurrences of the min_ngram tail compared for a longer match
 
@@ -62,11 +63,18 @@ class LookupDrafter:
         draft = self._from_context(context, k)
         if draft:
             self.hits_context += 1
-        elif self.store is not None and (draft := self.store.lookup(
-                context, k, min_ngram=self.min_ngram, max_ngram=self.max_ngram)):
+        elif self.store is not None and not has_keys(context[-self.max_ngram:]) and (
+                draft := self.store.lookup(context, k, min_ngram=self.min_ngram,
+                                           max_ngram=self.max_ngram)):
             self.hits_store += 1
         else:
             self.misses += 1
+        # A prompt with images holds their key ids (tandem.models.image_keys): a draft stops
+        # before one, so no image row is ever forwarded as a generated token, and the store
+        # (vocabulary ids only) is never asked about a tail that holds one.
+        for i, t in enumerate(draft):
+            if t >= KEY_BASE:
+                return draft[:i]
         return draft
 
     def _from_context(self, context: Sequence[int], k: int) -> list[int]:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from tandem.cache.endalign import Alignment, EndRecord, SplitToken, align
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import ResidentPrefix
+from tandem.models.image_keys import has_keys
 
 
 RECENT = 8  # records of the last turns kept for the state store's session snapshots
@@ -157,9 +158,13 @@ class EndRecords:
 
     def remember(self, served: list[int], generated: Sequence[int],
                  hidden_in_generated: Sequence[int]) -> None:
-        """After a turn that kept its end: the record of the rows up to it."""
+        """After a turn that kept its end: the record of the rows up to it. A turn whose rows
+        hold images (key ids: tandem.models.image_keys) keeps none: a copy is never aligned
+        with it, so a request with images replays no hidden span and its rows are never read
+        as text."""
         resident, engine = self.resident, self.resident.engine
-        if resident.end is None or resident.end.length != engine.length:
+        if resident.end is None or resident.end.length != engine.length \
+                or has_keys(engine.token_ids):
             self.record = None
             return
         in_rows = list(generated[:engine.length - len(served)])

@@ -12,6 +12,7 @@ kept. It is the engine thread's: the tower runs there and only there, so it take
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -78,3 +79,53 @@ def _nbytes(rows: Any) -> int:
     if hasattr(rows, "element_size") and hasattr(rows, "nelement"):
         return int(rows.element_size() * rows.nelement())
     return int(rows.nbytes)
+
+
+class ImagePlacer:
+    """A prompt's images placed for its prefill, on the engine thread: the tower runs (or its
+    cache answers) only for the images whose rows the prefill forwards, so a prompt resumed past
+    an image never encodes it. ``runs`` and ``hits`` count this prompt's tower runs and cache
+    hits (the journal's)."""
+
+    def __init__(self, inputs: Sequence[Any], support: Any, cache: TowerCache | None) -> None:
+        self.inputs = list(inputs)  # image_keys.ImageInput, in prompt order
+        self.support = support  # vision.ImageSupport
+        self.cache = cache
+        self.runs = 0
+        self.hits = 0
+
+    def place(self, key_ids: Sequence[int], start: int) -> Any:
+        """vision.PromptImages of the prompt ``key_ids`` (its image rows the images' keys) for
+        a prefill of rows [start, len): the rows of every image that reaches past ``start``
+        (None for the others, never read), the positions of all of them."""
+        from tandem.models import image_keys, vision
+        from tandem.models.base import ModelError
+
+        s = self.support
+        if s is None:
+            raise ModelError("this model reads no images: it has no vision tower")
+        merge = s.processor.merge_size
+        real = image_keys.real_ids(key_ids, s.image_token_id)
+        spans = vision.image_spans(real, [tuple(i.grid) for i in self.inputs], s.image_token_id,
+                                   merge)
+        embeds = []
+        for span, image in zip(spans, self.inputs):
+            if key_ids[span.start] != image.key or key_ids[span.stop - 1] != image.key:
+                raise ValueError("an image's rows do not carry its key")
+            embeds.append(self._rows(image) if span.stop > start else None)
+        positions, delta = vision.rope_positions(len(key_ids), spans, merge)
+        return vision.PromptImages(spans=spans, embeds=embeds, positions=positions, delta=delta)
+
+    def _rows(self, image: Any) -> Any:
+        rows = self.cache.get(image.digest) if self.cache is not None else None
+        if rows is not None:
+            self.hits += 1
+            return rows
+        import torch
+
+        with torch.inference_mode():
+            rows = self.support.tower.encode(image.pixel_values, tuple(image.grid))
+        self.runs += 1
+        if self.cache is not None:
+            self.cache.put(image.digest, rows)
+        return rows

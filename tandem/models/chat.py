@@ -342,7 +342,7 @@ def _normalize_message(m: Any, where: str) -> dict[str, Any]:
         role = "system"
     if role not in ROLES:
         raise ChatError(f"{where}: unknown role {role!r} (expected one of {', '.join(ROLES)})")
-    content = _content(m.get("content"), where)
+    content = _content(m.get("content"), where, images=role == "user")
     out: dict[str, Any] = {"role": role}
     if role == "assistant":
         reasoning = m.get("reasoning_content")
@@ -368,12 +368,17 @@ def _normalize_message(m: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _content(content: Any, where: str) -> str | None:
-    """A string, or a list of text parts joined; None when missing."""
+def _content(content: Any, where: str, images: bool = False) -> str | list | None:
+    """A string, or a list of text parts joined; None when missing. With ``images`` (a user
+    message) an ``image_url`` part is kept: the content is then the list of its text parts and
+    ``{"type": "image"}`` parts, which the template renders as the vision placeholder
+    (``<|vision_start|><|image_pad|><|vision_end|>``, as Qwen3.5's does); the route reads the
+    images themselves (tandem.server.images)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, Sequence) and not isinstance(content, bytes):
-        texts = []
+        texts: list = []
+        pictures = False
         for j, part in enumerate(content):
             if isinstance(part, str):
                 texts.append(part)
@@ -381,12 +386,18 @@ def _content(content: Any, where: str) -> str | None:
             if not isinstance(part, Mapping):
                 raise ChatError(f"{where}.content[{j}] is not a content part object")
             kind = part.get("type")
+            if kind == "image_url" and images:
+                texts.append({"type": "image"})
+                pictures = True
+                continue
             if kind != "text":
                 raise ChatError(f"{where}.content[{j}]: content of type {kind!r} is not "
                                 "supported (only 'text')")
             if not isinstance(part.get("text"), str):
                 raise ChatError(f"{where}.content[{j}]: a text part needs a string 'text'")
             texts.append(part["text"])
+        if pictures:
+            return [p if isinstance(p, dict) else {"type": "text", "text": p} for p in texts]
         return "".join(texts)
     raise ChatError(f"{where}: content must be a string or a list of text parts")
 

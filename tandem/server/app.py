@@ -42,6 +42,7 @@ from tandem.cache.endrecords import EndRecords
 from tandem.cache.resident import ResidentPrefix, make_holdings
 from tandem.cache.response import ResponseCache
 from tandem.cache.store import StateStore, StoreCore
+from tandem.cache.tower import TowerCache
 from tandem.cache.suffix import PersistentSuffixStore
 from tandem.config import Config
 from tandem.engine import Engine
@@ -158,7 +159,9 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                             if caches and config.disk.disk_cache != "off" else None),
             make_spill=(partial(_make_spill, config) if caches and spill_enabled(config) else None),
             spill_min_tokens=config.spill.session_spill_min_tokens,
-            spill_park_min_tokens=config.spill.session_spill_park_min_tokens)
+            spill_park_min_tokens=config.spill.session_spill_park_min_tokens,
+            tower_cache=(TowerCache(int(config.images.image_cache_mb * (1 << 20)))
+                         if getattr(loaded.model, "images", None) is not None else None))
         if caches and config.disk.disk_cache != "off":
             spill_on = spill_enabled(config)
             # The tier is built on the engine thread from the engine's manifest; the writer
@@ -201,7 +204,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
         journal=journal, metrics=metrics, supervisor=supervisor,
         defaults=SamplingDefaults.from_model_dir(path),
         chat_template=getattr(loaded.tokenizer, "chat_template", None),
-        session_secret=load_secret(config.home_path()))
+        session_secret=load_secret(config.home_path()),
+        images=getattr(loaded.model, "images", None))
     metrics.gauge("tandem_engine_rows_in_place", "Rows (tokens) in the engine's buffers.",
                   lambda: engine.snapshot().get("rows_in_place") or 0)
     metrics.gauge("tandem_requests_waiting", "Requests waiting for the engine.",
@@ -327,6 +331,9 @@ async def _cache_stats(engine: Actor, state: ServerState, store: StoreActor | No
         extra["store"] = (await _ask(store, GetStoreStats(), "state store")).stats
     if state.response_cache is not None:
         extra["response"] = state.response_cache.statistics()
+    if getattr(engine, "image_stats", None) is not None:
+        # The tower's cache, as the engine thread last published it.
+        extra["images"] = engine.image_stats
     if suffix is not None:
         extra["suffix"] = suffix.report()
     if disk_writer is not None:

@@ -138,6 +138,7 @@ class Run:
                  prompt_ids: list[int], params: GenerationParams, stops: list[str],
                  session: str | None, arrived_s: float, cache_salt: str | None = None,
                  marks: PromptMarks | None = None, side: bool = False,
+                 images: Any = None,
                  client_prompt_tokens: int | None = None, compaction: dict | None = None,
                  prepared: Any = None, head_parts: tuple[int, int] | None = None,
                  n: int = 1) -> None:
@@ -158,6 +159,9 @@ class Run:
         self.prepared = prepared
         # A chat prompt's leading system and tools tokens (the usage split); None: a text prompt.
         self.head_parts = head_parts
+        # The chat's images (tandem.server.image_prompt.PromptImageSet): prompt_ids are then
+        # its key ids; None: a prompt without images.
+        self.images = images
         self.params = params
         self.session = session
         # Only the salt's digest is kept: the salt never reaches the engine, a log or the
@@ -218,7 +222,7 @@ class Run:
             tuple(self._generated), msgspec.structs.replace(
                 msg, cache_source="response", reused_tokens=len(self.prompt_ids),
                 reread_tokens=0, prefill_ms=0.0, guest=False, aligned=None, end_replayed=0,
-                drafted=0, accepted=0),
+                drafted=0, accepted=0, tower_runs=0, tower_hits=0),
             logprobs=(tuple(self._generated_logprobs) if self.params.logprobs is not None
                       else None),
             prompt_logprobs=(None if self.prompt_logprobs is None
@@ -249,6 +253,7 @@ class Run:
         if self._answer_prepared() or self._answer_from_memory():
             return
         msg = Generate(self.request_id, self.prompt_ids, self.params, reply_to=self._events,
+                       images=self.images.inputs if self.images else [],
                        session=self.session, namespace=self.namespace, marks=self.marks,
                        side=self.side, n=self.n)
         try:
@@ -432,7 +437,7 @@ class Run:
 
     def _parts(self) -> dict[str, int]:
         """The usage split of the client's prompt: system, tools and history add up to
-        ``prompt_tokens`` (images: none yet); ``injected`` is what the server put in beyond
+        ``prompt_tokens`` (images: their rows); ``injected`` is what the server put in beyond
         them (the end anchor's replay of hidden spans and reasoning), so that the five are the
         prompt the engine read, cached plus reread. A continuation reads other ids than the
         client's prompt: nothing is injected into the client's."""
@@ -440,13 +445,15 @@ class Run:
         system, tools = self.head_parts or (0, 0)
         system = min(system, prompt)
         tools = min(tools, prompt - system)
+        images = min(self.images.tokens, prompt - system - tools) if self.images else 0
         r = self.result
         read = (r.reused_tokens + r.reread_tokens) if r is not None else prompt
         injected = 0
         if self.compaction is None or self.compaction.get("served") == "as_sent":
             injected = max(0, read - prompt)
-        return {"system": system, "tools": tools, "history": prompt - system - tools,
-                "injected": injected, "images": 0}
+        return {"system": system, "tools": tools,
+                "history": prompt - system - tools - images, "injected": injected,
+                "images": images}
 
     def usage(self) -> dict:
         prompt = self.client_prompt_tokens
@@ -533,6 +540,12 @@ class Run:
             extra["guest"] = True
         if self.side:
             extra["side"] = True
+        if self.images is not None:
+            # counts only: never a URL, a digest or a pixel
+            extra["images"] = {"count": len(self.images.inputs),
+                               "left_out": self.images.left_out,
+                               "tokens": self.images.tokens, "tower_runs": r.tower_runs,
+                               "tower_hits": r.tower_hits}
         if self.compaction is not None:
             extra["compaction"] = dict(self.compaction)
             if self.cache_source == "continuation":

@@ -41,7 +41,8 @@ from tandem.server.compaction import Continuation, compaction_request, continuat
 from tandem.server.errors import ApiError, bad_request
 from tandem.server.generation import CLIENT_GONE, ClientGone, Run, new_request_id
 from tandem.server.guard import require_admin
-from tandem.server.image_caps import leave_out, left_out_by_count
+from tandem.server.image_caps import left_out_by_count
+from tandem.server.image_prompt import read_images
 from tandem.server.images import image_limits, image_parts, load_images
 from tandem.server.journal import RequestRow
 from tandem.server.keys import PREPARED
@@ -214,6 +215,7 @@ async def _serve(request: web.Request, route: str, prefix: str, prepare, answer,
                       prompt_ids=prompt_ids, params=params, stops=stops, session=ctx.session,
                       arrived_s=ctx.arrived_s,
                       cache_salt=req.salt(ctx.state.config.cache.require_cache_salt),
+                      images=extra.get("images"),
                       marks=extra.get("marks"), side=extra.get("side", False),
                       client_prompt_tokens=extra.get("client_prompt_tokens"),
                       compaction=extra.get("compaction"), prepared=extra.get("prepared"),
@@ -280,18 +282,29 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     req.check()
     if req.model != state.model_name:
         raise _unknown_model(req.model, state)
+    images = None
     if parts := image_parts(req.messages):
-        # The oldest past the cap are left out (never decoded); the others are read and checked
-        # first, so a bad one is named as such; the language model then refuses them all until
-        # the vision tower feeds its rows (issue 19).
-        left = left_out_by_count(len(parts), state.config.images.max_images)
-        req = msgspec.structs.replace(req, messages=leave_out(req.messages, parts, left))
-        parts = parts[left:]
-        await load_images(parts, image_limits(state.config))
-        raise bad_request("this model reads no images: it has no vision tower", parts[0].where,
-                          "images_unsupported")
+        caps = state.config.images
+        if state.images is None:
+            # The oldest past the cap are left out (never decoded); the others are read and
+            # checked first, so a bad one is named as such; a model without a vision tower
+            # then refuses them all.
+            left = left_out_by_count(len(parts), caps.max_images)
+            parts = parts[left:]
+            await load_images(parts, image_limits(state.config))
+            raise bad_request("this model reads no images: it has no vision tower",
+                              parts[0].where, "images_unsupported")
+        images = await read_images(req.messages, parts, state.images,
+                                   image_limits(state.config), caps.max_images,
+                                   caps.max_image_tokens)
+        req = msgspec.structs.replace(req, messages=images.messages)
     stops = req.stop_strings()
     prompt_ids, thinking = await asyncio.to_thread(_chat_ids, state, req)
+    if images is not None:
+        # Each placeholder grown to its image's rows, and those rows its key: the ids the
+        # engine and every cache compare (tandem.models.image_keys).
+        prompt_ids = await asyncio.to_thread(images.key_ids, prompt_ids,
+                                             state.images.image_token_id)
     head = await asyncio.to_thread(_head_parts, state, req, prompt_ids)
     window = state.window
     _check_window(len(prompt_ids), window, "messages")
@@ -303,13 +316,14 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
     if req.logprobs:
         params = msgspec.structs.replace(params, logprobs=req.top_logprobs or 0)
     extra = {"thinking": thinking, "tools": req.tools, "marks": _marks(state, req, prompt_ids),
-             "head_parts": head,
+             "head_parts": head, "images": images,
              "side": state.config.server.side_requests and is_side_request(req.messages)}
     extra["n"] = req.choices(state.config.server.max_n)
     prepared = ctx.request.app.get(PREPARED)
     if prepared is not None and ctx.session is not None and req.tools:
         prepared.note_session(ctx.session, _client(ctx.request))  # an agent's conversation
-    if not extra["side"] and (ask := compaction_request(req.messages, req.tools)) is not None:
+    if not extra["side"] and images is None \
+            and (ask := compaction_request(req.messages, req.tools)) is not None:
         prompt_ids, params = await _compaction(ctx, req, ask, prompt_ids, params, extra)
     # After the compaction, which may serve another prompt: the grammar starts where it ends.
     if (grammar := await asyncio.to_thread(chat_grammar, state, req, extra["thinking"])):

@@ -59,6 +59,7 @@ class ServerState:
     response_cache: Any = None  # a tandem.cache.response.ResponseCache when response_cache is on
     # The compaction requests' counters (tandem.server.compaction.CompactionCounts).
     compaction: Any = None
+    images: Any = None  # the model's vision tower and processor (vision.ImageSupport); None: none
 
     def __post_init__(self) -> None:
         if self.compaction is None:

@@ -80,3 +80,24 @@ def reference(context: list[int], k: int, max_ngram: int) -> list[int]:
             if context[end - n:end] == context[length - n:]:
                 return context[end:end + k]
     return []
+
+
+def test_a_draft_stops_before_an_images_key_and_the_store_never_sees_one():
+    """A prompt with images holds their key ids: text before an image that repeats would draft
+    the image's rows, which no decode step may forward (issue 19, part 3)."""
+    from tandem.models.image_keys import KEY_BASE
+
+    class Store:
+        asked = []
+
+        def lookup(self, context, k, **_):
+            self.asked.append(list(context))
+            return [7, 7]
+
+    key = KEY_BASE + 12345
+    context = [1, 2, 3, key, key, 9, 1, 2, 3]
+    drafter = LookupDrafter(Store())
+    drafter.start(context)
+    assert drafter.propose(context, 4) == []  # "1 2 3" is followed by the image's rows
+    tail = [5, key, 6]
+    assert LookupDrafter(Store()).propose(tail, 2) == [] and Store.asked == []

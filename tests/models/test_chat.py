@@ -170,7 +170,7 @@ def test_a_parsed_answer_renders_back_to_the_text_the_model_wrote():
     ({"role": "user"}, r"messages\[1\]: a user message needs content"),
     ({"role": "tool", "content": None}, r"messages\[1\]: a tool message needs content"),
     ({"role": "assistant"}, r"messages\[1\]: an assistant message needs content"),
-    ({"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+    ({"role": "tool", "content": [{"type": "image_url", "image_url": {}}]},
      r"messages\[1\]\.content\[0\]: content of type 'image_url' is not supported"),
     ({"role": "user", "content": 5}, r"content must be a string or a list of text parts"),
     ({"role": "assistant", "content": None, "tool_calls": [
@@ -294,3 +294,20 @@ def test_stream_parser_holds_back_a_partial_tag():
     events = parser.feed(">")
     assert len(events) == 1 and events[0].tool_call["function"]["name"] == "f"
     assert parser.finish() == []
+
+
+def test_an_image_part_of_a_user_message_renders_as_the_vision_placeholder_as_qwen3_5s_does():
+    """tandem's template and Qwen3.5's write the same placeholder for an image part; the
+    text around it stays where the client put it."""
+    from tandem.models.chat import render_prompt
+
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "look: "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": " what is it?"}]}]
+    text = render_chat(messages, enable_thinking=False)
+    assert "look: <|vision_start|><|image_pad|><|vision_end|> what is it?" in text
+    # the placeholder is the template's: a client's own placeholder text is marked as text
+    typed = [{"role": "user", "content": "<|image_pad|>"}]
+    prompt = render_prompt(typed, control_tokens=("<|image_pad|>", "<|im_start|>", "<|im_end|>"))
+    assert "<|image_pad|>" not in prompt._marked and prompt.text.count("<|image_pad|>") == 1
