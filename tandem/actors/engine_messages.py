@@ -352,6 +352,9 @@ class Peek(Message):
     namespace: str = ""
     side: bool = False
     prewarm: bool = False
+    # The prompt has images (prompt_ids are then its key ids): as a Generate with images, its
+    # plan replays no hidden span.
+    images: bool = False
 
 
 class Peeked(Message):

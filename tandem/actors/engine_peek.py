@@ -289,7 +289,7 @@ class EnginePeek:
         theirs = ParkOffer(p.pin_point, p.park_point)
         records = r.holdings.records
         alignment = None
-        if records is not None and not msg.side:
+        if records is not None and not msg.side and not msg.images:
             alignment, recent = records.align_in_place(prompt, namespace, count=False)
             if alignment is None:
                 for candidate, key_rows in recent:
@@ -301,7 +301,8 @@ class EnginePeek:
         spill_offer = None
         if alignment is None and self.spill is not None:
             spill_offer, spill_alignment = self._spill_candidate(
-                SimpleNamespace(namespace=namespace), prompt, records)
+                SimpleNamespace(namespace=namespace), prompt,
+                records if not msg.images else None)
             if spill_alignment is not None and weigh(
                     spill_offer, mine.resume.start, len(spill_alignment.served), chunk,
                     self._prefill_rate(), self._restore_rate())[0]:

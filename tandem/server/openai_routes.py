@@ -276,12 +276,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "chat", "chatcmpl", _prepare_chat, _answer_chat)
 
 
-async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
-    state = ctx.state
-    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
-    req.check()
-    if req.model != state.model_name:
-        raise _unknown_model(req.model, state)
+async def chat_prompt(state: ServerState, req: ChatCompletionRequest):
+    """The request as the engine reads it: the request with its left-out images replaced by
+    text, the prompt ids (each image's rows its key ids), whether the prompt opens the
+    reasoning, and the images (None without any). The chat route's and the peek's."""
     images = None
     if parts := image_parts(req.messages):
         caps = state.config.images
@@ -298,13 +296,23 @@ async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
                                    image_limits(state.config), caps.max_images,
                                    caps.max_image_tokens)
         req = msgspec.structs.replace(req, messages=images.messages)
-    stops = req.stop_strings()
     prompt_ids, thinking = await asyncio.to_thread(_chat_ids, state, req)
     if images is not None:
         # Each placeholder grown to its image's rows, and those rows its key: the ids the
         # engine and every cache compare (tandem.models.image_keys).
         prompt_ids = await asyncio.to_thread(images.key_ids, prompt_ids,
                                              state.images.image_token_id)
+    return req, prompt_ids, thinking, images
+
+
+async def _prepare_chat(ctx: _Request, body: dict[str, Any]):
+    state = ctx.state
+    req: ChatCompletionRequest = decode_body(body, ChatCompletionRequest)
+    req.check()
+    if req.model != state.model_name:
+        raise _unknown_model(req.model, state)
+    req, prompt_ids, thinking, images = await chat_prompt(state, req)
+    stops = req.stop_strings()
     head = await asyncio.to_thread(_head_parts, state, req, prompt_ids)
     window = state.window
     _check_window(len(prompt_ids), window, "messages")

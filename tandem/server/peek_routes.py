@@ -26,7 +26,7 @@ from tandem.cache.namespace import namespace_of
 from tandem.server.body import read_json
 from tandem.server.errors import ApiError
 from tandem.server.guard import admin_route
-from tandem.server.openai_routes import _chat_ids, _check_window, _unknown_model
+from tandem.server.openai_routes import _check_window, _unknown_model, chat_prompt
 from tandem.server.schema import ChatCompletionRequest, decode_body
 from tandem.server.sessions import session_key
 from tandem.server.side import is_side_request
@@ -55,11 +55,12 @@ async def _rendered(request: web.Request) -> tuple[Peek, str | None]:
     req.check()
     if req.model != state.model_name:
         raise _unknown_model(req.model, state)
-    prompt_ids, _ = await asyncio.to_thread(_chat_ids, state, req)
+    req, prompt_ids, _, images = await chat_prompt(state, req)  # images as their key ids
     _check_window(len(prompt_ids), state.window, "messages")
     namespace = namespace_of(req.salt(state.config.cache.require_cache_salt))
     side = state.config.server.side_requests and is_side_request(req.messages)
-    return Peek(prompt_ids, session=session, namespace=namespace, side=side), session
+    return Peek(prompt_ids, session=session, namespace=namespace, side=side,
+                images=images is not None), session
 
 
 async def _ask_engine(request: web.Request, msg: Peek, timeout_s: float) -> Peeked:

@@ -288,3 +288,34 @@ async def test_key_ids_through_the_spill_a_restart_resumes_the_same_pixels_and_n
         new = await ask(sdk(server), _png(9), "What colours does it have?")
         assert new.usage.prompt_tokens_details.cached_tokens <= image_start, _cache(new)
         assert app[STATE].journal.tail(1)[-1]["extra"]["images"]["tower_runs"] == 1
+
+
+async def test_the_peek_of_an_image_conversation_is_what_its_next_turn_does(
+        vl_loaded, make_config, serve, sdk):
+    """The peek keys the images as the chat route does: its tier, line and re-read are the
+    next turn's; new pixels under the same place peek cold past the image."""
+    import aiohttp
+
+    messages = [{"role": "system", "content": SYSTEM}, _user(_url(_png(5)))]
+    async with serve(build_app(_config(make_config), vl_loaded)) as server, \
+            aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as http:
+        client = sdk(server)
+        first = await client.chat.completions.create(
+            model="small", messages=messages, max_tokens=6, temperature=0, extra_body=OFF)
+        after = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                            {"role": "user", "content": "And the colours?"}]
+        body = {"model": "small", "messages": after, "max_tokens": 6, "temperature": 0, **OFF}
+        async with http.post("/v1/cache/peek", json=body) as resp:
+            peek = await resp.json()
+            assert resp.status == 200, peek
+        other = [after[0], _user(_url(_png(6)))] + after[2:]
+        async with http.post("/v1/cache/peek", json={**body, "messages": other}) as resp:
+            new_pixels = await resp.json()
+        resp = await client.chat.completions.create(
+            model="small", messages=after, max_tokens=6, temperature=0, extra_body=OFF)
+    cache = _cache(resp)
+    assert (peek["tier"], peek["cached_tokens"], peek["reread_tokens"]) == \
+        (cache["tier"], cache["cached"], cache["reread"]), (peek, cache)
+    assert peek["tier"] == "resident" and peek["cached_tokens"] > 0
+    # The system text is shared; the image's rows are not: the line stops before them.
+    assert new_pixels["cached_tokens"] < peek["cached_tokens"]
