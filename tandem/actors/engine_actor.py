@@ -105,7 +105,7 @@ from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
-from tandem.models.image_keys import is_key, text_runs
+from tandem.models.image_keys import has_keys, is_key, text_runs
 from tandem.models.rows import release_rows
 from tandem.models.reasoning_budget import ReasoningBudget
 
@@ -1993,8 +1993,10 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         if outcome.budget is not None:
             out = outcome.budget.visible(out)
         prompt = list(job.prompt_ids)
-        if job.images:
+        if job.images or has_keys(prompt):
             # The store never receives placeholder rows: the text after the last image only.
+            # (A compaction's continuation carries an image conversation's rows without its
+            # images: it is known by its keys.)
             runs = text_runs(prompt)
             prompt = runs[-1] if runs and not is_key(prompt[-1]) else []
         try:

@@ -77,7 +77,15 @@ class SuffixActor(Actor):
         match msg:
             case SuffixAppend():
                 if self.store is not None:
-                    await self._on_worker(self.store.add_request, msg.prompt_ids, msg.output_ids)
+                    try:
+                        await self._on_worker(self.store.add_request, msg.prompt_ids,
+                                              msg.output_ids)
+                    except ValueError:
+                        # ids the store cannot hold: that request's text is not drafted from;
+                        # the store and every other request go on.
+                        log.warning("suffix_append_refused", tokens=len(msg.prompt_ids)
+                                    + len(msg.output_ids))
+                        return None
                     self._schedule_rebuild()
                 return None
             case _:

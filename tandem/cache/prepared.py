@@ -42,11 +42,9 @@ MAX_SESSIONS = 256
 
 
 def rows_digest(rows: Sequence[int]) -> str:
-    """The key of a record's rows up to its end anchor: sha256 of the ids as int32 LE."""
-    data = array("i", rows)
-    if data.itemsize != 4:  # pragma: no cover - no platform of ours
-        data = array("l", rows)
-    return hashlib.sha256(data.tobytes()).hexdigest()
+    """The key of a record's rows up to its end anchor: sha256 of the ids as int64, as every
+    other key of rows is made (an image's key ids are past 2**62)."""
+    return hashlib.sha256(array("q", rows).tobytes()).hexdigest()
 
 
 @dataclass(frozen=True)

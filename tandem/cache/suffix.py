@@ -254,11 +254,11 @@ class PersistentSuffixStore:
         if self.readonly:
             self.readonly_skipped += 1
             return 0
-        seq = np.array(output_ids, dtype=np.uint32)  # a copy: it is kept for the next requests
-        if self.scope == "all":
-            seq = np.concatenate([np.asarray(prompt_ids, dtype=np.uint32), seq])
-        if np.any(seq == SEPARATOR):
-            raise ValueError("a token id equals the suffix store's separator")
+        ids = list(output_ids) if self.scope != "all" else [*prompt_ids, *output_ids]
+        if ids and (min(ids) < 0 or max(ids) >= SEPARATOR):
+            # the separator, or an id past any vocabulary (an image's key)
+            raise ValueError("a token id the suffix store cannot hold")
+        seq = np.array(ids, dtype=np.uint32)  # a copy: it is kept for the next requests
         parted = max((_common_prefix(seq, seen) for seen in self._recent), default=0)
         if parted == len(seq):
             self.deduped_total += len(seq)

@@ -249,3 +249,11 @@ def test_a_second_writer_opens_the_store_read_only_until_the_first_lets_go(tmp_p
     assert not third.busy
     assert third.add_request([7, 8, 9], [10]) > 0
     third.check_invariants()
+
+
+def test_an_id_the_store_cannot_hold_is_refused_and_the_store_is_unchanged(store):
+    before = store.statistics()
+    for bad in ([1, 2, 0xFFFFFFFF], [1, 1 << 62], [-1, 3]):  # an image's key is past 2**62
+        with pytest.raises(ValueError):
+            store.add_request(bad, [5, 6])
+    assert store.statistics() == before

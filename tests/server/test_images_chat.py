@@ -319,3 +319,33 @@ async def test_the_peek_of_an_image_conversation_is_what_its_next_turn_does(
     assert peek["tier"] == "resident" and peek["cached_tokens"] > 0
     # The system text is shared; the image's rows are not: the line stops before them.
     assert new_pixels["cached_tokens"] < peek["cached_tokens"]
+
+
+async def test_a_compaction_of_an_image_conversation_continues_at_its_end_and_the_server_lives(
+        vl_loaded, make_config, serve, sdk):
+    """A text-only compaction request of a session whose conversation had an image is served as
+    its continuation (the image's rows are resumed, not read again); its rows carry key ids,
+    which the prepared answers' key and the suffix store must take (each failed once: a 500
+    and a suffix actor that stopped the server)."""
+    from test_compaction_continue import COMPACT_SYSTEM, INSTRUCTIONS
+
+    question = "What is in this picture of a ledger?"
+    messages = [{"role": "system", "content": SYSTEM}, _user(_url(_png(5)), question)]
+    headers = {"x-session-id": "img-compaction"}
+    async with serve(build_app(_config(make_config), vl_loaded)) as server:
+        client = sdk(server)
+        first = await client.chat.completions.create(
+            model="small", messages=messages, max_tokens=6, temperature=0, extra_body=OFF,
+            extra_headers=headers)
+        history = f"[User]: {question}\n\n[Assistant]: {first.choices[0].message.content}"
+        compact = [{"role": "system", "content": COMPACT_SYSTEM},
+                   {"role": "user", "content": "Here is the conversation so far:\n<conversation>\n"
+                    + history + f"\n</conversation>\n\n{INSTRUCTIONS}"}]
+        resp = await client.chat.completions.create(
+            model="small", messages=compact, max_tokens=6, temperature=0, extra_headers=headers)
+        assert _cache(resp)["source"] == "continuation", _cache(resp)
+        assert _cache(resp)["cached"] > first.usage.prompt_tokens // 2
+        again = await client.chat.completions.create(
+            model="small", messages=messages, max_tokens=6, temperature=0, extra_body=OFF)
+        assert again.choices  # the server still serves after the continuation's suffix append
+        assert (await _stats(server))["tiers"]["images"]["misses"] == 1
