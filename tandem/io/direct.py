@@ -40,8 +40,17 @@ def round_up(n: int) -> int:
 
 
 def aligned(nbytes: int) -> np.ndarray:
-    """A zeroed uint8 buffer of ``nbytes`` whose address is a multiple of ``ALIGN``."""
-    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+    """A zeroed uint8 buffer of ``nbytes`` whose address is a multiple of ``ALIGN``; pinned
+    (page-locked, from torch's pinned allocator, which the array keeps alive) once an engine
+    of this process runs on CUDA (tandem.devices.pin_staging): the staging of device rows."""
+    from tandem import devices
+
+    if devices.staging_pinned():
+        import torch
+
+        raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True).numpy()
+    else:
+        raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
     skip = (-raw.ctypes.data) % ALIGN
     return raw[skip:skip + nbytes]
 

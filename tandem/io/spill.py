@@ -81,6 +81,7 @@ import torch
 
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.namespace import Namespace
+from tandem.devices import host_clone
 from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, open_folder,
                               write_atomic_at,
                               round_up)
@@ -856,7 +857,10 @@ class SessionSpill:
             raw += nbytes
             target = memoryview(stage[at:at + nbytes])
             if self.codec_version == CODEC_VERSION:
-                planes = cut_planes(tensor.detach()).cpu().numpy()
+                planes = cut_planes(tensor.detach())
+                if planes.device.type != "cpu":
+                    planes = host_clone(planes)  # pinned: one DMA off the device
+                planes = planes.numpy()
                 ms["copy"] += _ms(t)
                 t = time.perf_counter()
                 enc = self.codec.compress_planes(planes, tensor.dtype, list(tensor.shape),
