@@ -174,7 +174,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                 # identity); the tier's write guard counts its bytes.
                 spill_writer = SpillWriterActor(
                     "spill_writer", spill=lambda: getattr(engine, "spill", None),
-                    guard=lambda: getattr(engine.disk_tier, "guard", None))
+                    guard=lambda: getattr(engine.disk_tier, "guard", None),
+                    engine=engine)  # its saves of device rows hold the capture lock
                 engine.spill_writer = spill_writer
     supervisor = Supervisor()
     if suffix is not None:
