@@ -18,10 +18,10 @@ Budget and TTL: the spill evicts at start and every ``sweep_every_s`` (a task th
 on its clock), and a save makes room for itself.
 
 The capture lock (spec: "The writer and CUDA graph captures"): on CUDA the save's device work
-(the block sums and each file's planes, with their copies to the host) runs on the ``io``
+(the block sums and each buffer's planes, with their copies to the host) runs on the ``io``
 thread, outside the engine, so each step holds a grant of the engine's capture lock
 (``RequestCaptureLock``, as the disk writer's copies do): a graph capture never runs beside
-it, and waits at most one file's copy. A save whose sender keeps the device still
+it, and waits at most one buffer's copy (a block's K or V, an anchor's section). A save whose sender keeps the device still
 (``SpillSave.locked``) and a CPU state take no grant: nothing to wait for, no cost.
 
 Nothing here fails a request: an I/O error is a `SpillSaved` with ``skipped="failed"`` (the
@@ -55,6 +55,11 @@ log = structlog.get_logger("tandem.spill_writer")
 
 SWEEP_EVERY_S = 300.0  # the TTL and budget sweep between two saves
 REASONS: tuple[SaveReason, ...] = ("drain", "evict", "park", "store_restore")
+
+
+def on_device(state: Any) -> bool:
+    """Whether a save of ``state`` issues device work (its rows are not the host's)."""
+    return any(v.tensor.device.type != "cpu" for v in state.views.values())
 
 
 class SpillWriterActor(Actor):
@@ -270,8 +275,7 @@ class SpillWriterActor(Actor):
     def _device_calls(self, msg: SpillSave) -> Callable[[], Any] | None:
         """What the save holds around its device work: a grant, for device rows of an engine
         whose generations may capture meanwhile; None otherwise (no cost)."""
-        on_device = any(v.tensor.device.type != "cpu" for v in msg.state.views.values())
-        if self.engine is None or msg.locked or not on_device:
+        if self.engine is None or msg.locked or not on_device(msg.state):
             return None
         return self._held
 

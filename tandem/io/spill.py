@@ -607,9 +607,9 @@ class SessionSpill:
         queue, for the log line. ``stop`` (a prewarm's): asked before each file; True raises
         ``SpillStopped`` with the entry deleted, as a failed write leaves it (the rows it held
         are still the engine's). ``device_calls``: held around each step that issues device
-        work (the block sums and their copy, each file's planes and their copy to the host):
-        the spill writer's capture-lock grant on CUDA, so that a graph capture never runs
-        beside them and waits at most one file's copy; None (a CPU state) holds nothing."""
+        work (the block sums and their copy, each buffer's planes and their copy to the
+        host): the spill writer's capture-lock grant on CUDA, so that a graph capture never
+        runs beside them and waits at most one buffer's copy; None (a CPU state) holds nothing."""
         t = time.perf_counter()
         with self.io_lock:
             self._device_calls = device_calls or contextlib.nullcontext
