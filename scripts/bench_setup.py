@@ -8,6 +8,7 @@ import argparse
 import msgspec
 
 from tandem.config import Config, add_config_flags, load_config
+from tandem.devices import engine_device
 from tandem.logs import configure_logging
 from tandem.models import LoadedModel, load_model
 
@@ -24,4 +25,5 @@ def bench_config(parser: argparse.ArgumentParser
     config = msgspec.structs.replace(config, speculation=msgspec.structs.replace(
         config.speculation, suffix_store=False))
     configure_logging(args.log_level or "warning")
-    return args, config, load_model(config.server.model, config.models_dir(), config.engine.dtype)
+    return args, config, load_model(config.server.model, config.models_dir(), config.engine.dtype,
+                                    engine_device(config))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The device check (issue 20, part 5), on a CUDA machine, under 10 minutes. This section: the
-# Triton kernels' tests compiled on the GPU (not under the interpreter), each kernel against its
-# torch reference run on the same GPU and the grid gate (torch.equal cold against resumed), and
-# one table of the results. Prints the table; exits non-zero if a test failed.
+# The device check (issue 20, part 5), on a CUDA machine, under 10 minutes: the Triton kernels'
+# tests compiled on the GPU (not under the interpreter), each kernel against its torch reference
+# run on the same GPU and the grid gate (torch.equal cold against resumed); then the model on the
+# device (tests/test_device.py: bf16 weights and fp32 state on the GPU, greedy tokens against the
+# CPU's, a resumed prefill against a cold one on the device) and the spill writer's capture-lock
+# grants; one table of the results. Prints the table; exits non-zero if a test failed.
 #   scripts/device_check.sh            (after scripts/install.sh --test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,16 +16,22 @@ fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
-TRITON_INTERPRET=0 timeout 540 "$py" -m pytest -q -p no:cacheprovider \
+TRITON_INTERPRET=0 timeout 420 "$py" -m pytest -q -p no:cacheprovider \
   --junitxml="$out/kernels.xml" tests/kernels/test_kernel_devices.py \
   tests/kernels/test_triton_gdn.py tests/kernels/test_triton_conv.py \
   tests/kernels/test_triton_spill.py >"$out/kernels.log" 2>&1 || status=$?
 tail -n 30 "$out/kernels.log"
-"$py" - "$out/kernels.xml" <<'PY'
-import collections, datetime, sys, xml.etree.ElementTree as ET
+timeout 150 "$py" -m pytest -q -p no:cacheprovider --junitxml="$out/device.xml" \
+  tests/test_device.py tests/actors/test_spill_writer.py -k "device or cuda or grant" \
+  >"$out/device.log" 2>&1 || status=$?
+tail -n 30 "$out/device.log"
+"$py" - "$out/kernels.xml" "$out/device.xml" <<'PY'
+import collections, datetime, os, sys, xml.etree.ElementTree as ET
 import torch
 rows = collections.OrderedDict()
-for case in ET.parse(sys.argv[1]).getroot().iter("testcase"):
+cases = [c for path in sys.argv[1:] if os.path.exists(path)
+         for c in ET.parse(path).getroot().iter("testcase")]
+for case in cases:
     name = case.get("classname", "").rsplit(".", 1)[-1]
     row = rows.setdefault(name, collections.Counter())
     kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")

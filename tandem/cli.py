@@ -90,6 +90,7 @@ def _open_suffix_store(config, loaded):
 
 
 def generate_main(args) -> int:
+    from tandem.devices import engine_device
     from tandem.engine import Engine, SamplingParams
     from tandem.logs import configure_logging
     from tandem.models import load_model
@@ -98,7 +99,8 @@ def generate_main(args) -> int:
     config = load_config(cli_args=args)
     configure_logging(config.log_level)
     try:
-        loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+        loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype,
+                            engine_device(config))
         prompt = _prompt_ids(args, loaded)
         engine = Engine(loaded.model, window=config.engine.window,
                         prefix_chunk=config.engine.prefix_chunk,

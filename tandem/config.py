@@ -128,6 +128,11 @@ class EngineConfig(_Section):
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
         "Weights and activations dtype; auto: float32 on a CPU, bfloat16 on a GPU."
         ))] = "auto"
+    device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
+        "Where the engine runs: auto (the first CUDA device when torch sees one, else the "
+        "CPU), cpu, cuda or cuda:N. A CUDA device the machine lacks is an error at start. On "
+        "CUDA the weights keep the checkpoint's dtype, the recurrent state is fp32 and host "
+        "copies of device rows are pinned."))] = "auto"
 
 
 class CacheConfig(_Section):

@@ -181,7 +181,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         if self.params.greedy:
             return argmax(logits)
-        return int(torch.multinomial(self.probs(logits), 1, generator=self.generator))
+        # the draw on the host, from the CPU generator, wherever the logits are: the seed's
+        # tokens are the same on every device (cpu() is the tensor itself on a CPU)
+        return int(torch.multinomial(self.probs(logits).cpu(), 1, generator=self.generator))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution a sampled token is drawn from (temperature, top-k, top-p): finite,

@@ -40,7 +40,9 @@ def score_rows(logits: torch.Tensor, token_ids: torch.Tensor,
     """Entries of several positions at once: row i of ``logits`` ``[n, vocab]`` scores
     ``token_ids[i]``."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs.gather(1, token_ids.view(-1, 1).long()).view(-1).tolist()
+    # the ids are the host's, the logits the device's (to() is the ids themselves on a CPU)
+    index = token_ids.view(-1, 1).long().to(logprobs.device)
+    chosen = logprobs.gather(1, index).view(-1).tolist()
     if num_top:
         values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

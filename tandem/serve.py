@@ -18,6 +18,7 @@ from aiohttp import web
 from tandem.actors import Actor
 from tandem.actors.loop import install_uvloop
 from tandem.config import Config, load_config
+from tandem.devices import engine_device
 from tandem.logs import configure_logging
 from tandem.models import load_model
 from tandem.torch_thread import torch_thread
@@ -35,11 +36,12 @@ def serve_main(args: argparse.Namespace) -> int:
     """The entry point of `tandem serve`; ``args`` from a parser given add_config_flags."""
     config = load_config(cli_args=args)
     configure_logging(config.log_level)
+    device = engine_device(config)  # a missing GPU is a ConfigError here, before the load
     try:
         # On the torch thread, before anything else opens an OpenMP region: the engine then
         # runs on the thread whose worker team is the fast one (tandem/torch_thread.py).
         loaded = torch_thread().submit(load_model, config.server.model, config.models_dir(),
-                                       config.engine.dtype).result()
+                                       config.engine.dtype, device).result()
     except (ModelError, OSError) as e:
         log.error("model_load_failed", model=config.server.model, error=type(e).__name__,
                   reason=str(e))

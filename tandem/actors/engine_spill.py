@@ -203,8 +203,14 @@ class EngineSpill:
                            self.view.prefix_chunk or 1, self.spill.entries())
         if entry is None:
             return None
+        # A job being planned holds the lock with the running generations (or they are paused
+        # for an outside holder and take it back): the writer's grants pause them. The drain
+        # (nothing holds it, the handler holds the mailbox) and a prewarm (it holds the lock)
+        # keep the device still themselves.
+        locked = self._lock.holder is None or bool(getattr(self, "_prewarming", False))
         msg = SpillSave(reason, slot, entry.entry_id, entry.state, entry.valid,
-                        entry.token_ids, entry.anchors, entry.end, entry.meta, used_at, stop)
+                        entry.token_ids, entry.anchors, entry.end, entry.meta, used_at, stop,
+                        locked)
         t = time.perf_counter()
         try:
             reply = await self.spill_writer.ask(msg, SPILL_SAVE_S, sender=self)

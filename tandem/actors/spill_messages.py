@@ -42,6 +42,10 @@ class SpillSave(Message):
     # A prewarm's: asked before each file; True stops the save between two files and deletes
     # the entry (its rows are still the slot's), answered with skipped "stopped".
     stop: Any = None
+    # The sender keeps the device still for the save (the drain, whose handler holds the
+    # engine's mailbox; a prewarm, which holds the capture lock): the writer takes no grant of
+    # its own, which would wait behind the sender for ever.
+    locked: bool = False
 
 
 class SpillSaved(Message):

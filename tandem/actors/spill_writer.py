@@ -17,6 +17,13 @@ The spill adds every byte it writes to the guard's count itself.
 Budget and TTL: the spill evicts at start and every ``sweep_every_s`` (a task the actor owns,
 on its clock), and a save makes room for itself.
 
+The capture lock (spec: "The writer and CUDA graph captures"): on CUDA the save's device work
+(the block sums and each buffer's planes, with their copies to the host) runs on the ``io``
+thread, outside the engine, so each step holds a grant of the engine's capture lock
+(``RequestCaptureLock``, as the disk writer's copies do): a graph capture never runs beside
+it, and waits at most one buffer's copy (a block's K or V, an anchor's section). A save whose sender keeps the device still
+(``SpillSave.locked``) and a CPU state take no grant: nothing to wait for, no cost.
+
 Nothing here fails a request: an I/O error is a `SpillSaved` with ``skipped="failed"`` (the
 entry gone, logged, counted) or a `SpillRestored` with ``failed`` set. Anything else is a bug
 and stops the actor (`SpillWriterFaulted`), hence the system.
@@ -25,14 +32,17 @@ and stops the actor (`SpillWriterFaulted`), hence the system.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import structlog
 
+from tandem.actors.engine_messages import (CaptureLockGranted, ReleaseCaptureLock,
+                                           RequestCaptureLock)
 from tandem.actors.messages import Message
-from tandem.actors.runtime import Actor, Deferred
+from tandem.actors.runtime import Actor, ActorStopped, Deferred
 from tandem.actors.spill_messages import (ClearSpill, DrainSpill, GetSpillStats, SaveReason,
                                           SpillCleared, SpillDrained, SpillRestore,
                                           SpillRestored, SpillSave, SpillSaved, SpillStats,
@@ -47,15 +57,25 @@ SWEEP_EVERY_S = 300.0  # the TTL and budget sweep between two saves
 REASONS: tuple[SaveReason, ...] = ("drain", "evict", "park", "store_restore")
 
 
+def on_device(state: Any) -> bool:
+    """Whether a save of ``state`` issues device work (its rows are not the host's)."""
+    return any(v.tensor.device.type != "cpu" for v in state.views.values())
+
+
 class SpillWriterActor(Actor):
     def __init__(self, name: str = "spill_writer", *,
                  spill: "SessionSpill | Callable[[], SessionSpill | None] | None",
                  guard: "WriteGuard | Callable[[], WriteGuard | None] | None" = None,
-                 sweep_every_s: float = SWEEP_EVERY_S, **actor_options: Any) -> None:
+                 sweep_every_s: float = SWEEP_EVERY_S, engine: Actor | None = None,
+                 **actor_options: Any) -> None:
         """``guard``: the write guard when the spill has none of its own (the disk tier's;
         the spill then counts its bytes there too). A spill that resolves to None is a writer
-        that answers every save ``off``."""
+        that answers every save ``off``. ``engine``: whose capture lock a save of device rows
+        holds around its device work (None: no lock to take)."""
         super().__init__(name, **actor_options)
+        self.engine = engine
+        self._grants: asyncio.Queue[CaptureLockGranted] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
         if not sweep_every_s > 0:
             raise ValueError("sweep_every_s must be positive")
         self.spill = spill
@@ -70,7 +90,7 @@ class SpillWriterActor(Actor):
             "skips": {"guard": 0, "budget": 0, "failed": 0, "off": 0, "stopped": 0},
             "restores": 0, "restore_failures": 0, "failures": 0, "nbytes_written": 0,
             "blocks_written": 0, "blocks_kept": 0, "nbytes_read": 0, "sweeps": 0,
-            "swept": 0, "clears": 0}
+            "swept": 0, "clears": 0, "grants": 0}
         self.last_save: dict[str, Any] | None = None
 
     async def on_start(self) -> None:
@@ -78,6 +98,7 @@ class SpillWriterActor(Actor):
             self.spill = self.spill()  # built on the engine thread, after this actor was
         if callable(self.guard) and not isinstance(self.guard, WriteGuard):
             self.guard = self.guard()
+        self._loop = asyncio.get_running_loop()
         if self.spill is None:
             log.info("spill_writer_without_spill")
             return
@@ -131,6 +152,8 @@ class SpillWriterActor(Actor):
                 if isinstance(self.guard, WriteGuard):
                     await self._on(self.guard.save)
                 return SpillDrained()
+            case CaptureLockGranted():
+                self._grants.put_nowait(msg)
             case SpillWriterFaulted():
                 pass  # the fault was raised above
             case _:
@@ -167,7 +190,8 @@ class SpillWriterActor(Actor):
         try:
             report = self.spill.save(msg.entry_id, msg.state, msg.valid, msg.token_ids,
                                      msg.anchors, msg.end, msg.meta, writer_ms=writer_ms,
-                                     now=msg.used_at, stop=msg.stop)
+                                     now=msg.used_at, stop=msg.stop,
+                                     device_calls=self._device_calls(msg))
         except SpillStopped:
             self.counters["skips"]["stopped"] += 1
             return SpillSaved(msg.entry_id, "stopped")
@@ -245,6 +269,38 @@ class SpillWriterActor(Actor):
             self.try_tell(SpillWriterFaulted(type(exc).__name__), sender=self)
         except Exception:
             pass  # stopped or full: the next message raises the fault anyway
+
+    # -- the capture lock (the io thread's side) ---------------------------------------------
+
+    def _device_calls(self, msg: SpillSave) -> Callable[[], Any] | None:
+        """What the save holds around its device work: a grant, for device rows of an engine
+        whose generations may capture meanwhile; None otherwise (no cost)."""
+        if self.engine is None or msg.locked or not on_device(msg.state):
+            return None
+        return self._held
+
+    @contextlib.contextmanager
+    def _held(self):
+        """On the io thread: a grant of the engine's capture lock, asked and released through
+        the loop (the grant comes on its own queue, never behind a handler)."""
+        loop = self._loop
+        grant = asyncio.run_coroutine_threadsafe(self._acquire(), loop).result()
+        try:
+            yield
+        finally:
+            asyncio.run_coroutine_threadsafe(self._release(grant), loop).result()
+
+    async def _acquire(self) -> int:
+        await self.engine.tell(RequestCaptureLock(self.name, self._grants), sender=self)
+        grant = await self._grants.get()
+        self.counters["grants"] += 1
+        return grant.grant_id
+
+    async def _release(self, grant_id: int) -> None:
+        try:
+            await self.engine.tell(ReleaseCaptureLock(self.name, grant_id), sender=self)
+        except ActorStopped:
+            pass  # a stopped engine holds no lock any more
 
     async def _on(self, fn: Callable, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)

@@ -1,7 +1,9 @@
 """Copies of a sequence's state taken through the adapter: sections whole, views by rows.
 
 A cache never names a section or a token axis; it iterates ``cache_state()`` (spec: "The caches
-know no model"). Copies are plain tensors owned by whichever tier made them.
+know no model"). Copies are plain tensors owned by whichever tier made them, in host memory:
+a CPU state's copies are its clones, a device state's are pinned (tandem.devices.host_clone),
+so that a restore is one DMA and the copies never take device memory.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.devices import host_clone
 from tandem.models.base import CacheState
 
 
@@ -25,7 +28,7 @@ class SectionsCopy:
 
     @classmethod
     def take(cls, state: CacheState) -> "SectionsCopy":
-        return cls({name: t.clone() for name, t in state.sections.items()})
+        return cls({name: host_clone(t) for name, t in state.sections.items()})
 
     def copy_from(self, state: CacheState) -> None:
         """Refill this copy in place (the end anchor's two buffers, turn after turn)."""
@@ -55,7 +58,8 @@ class RowsCopy:
 
     @classmethod
     def take(cls, state: CacheState, start: int, stop: int) -> "RowsCopy":
-        return cls(start, stop, {name: v.rows(start, stop).clone() for name, v in state.views.items()})
+        return cls(start, stop, {name: host_clone(v.rows(start, stop))
+                                 for name, v in state.views.items()})
 
     def restore(self, state: CacheState, start: int | None = None, stop: int | None = None) -> None:
         """Write rows [start, stop) (default: all held) back in place."""

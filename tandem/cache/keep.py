@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
+from tandem.devices import host_clone
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
 
@@ -70,7 +71,7 @@ class Parked:
 
 
 def clone(copy: SectionsCopy) -> SectionsCopy:
-    return SectionsCopy({k: t.clone() for k, t in copy.tensors.items()})
+    return SectionsCopy({k: host_clone(t) for k, t in copy.tensors.items()})
 
 
 def pin_lines(anchors: dict[int, SectionsCopy], *, chunk: int, pin_every: int,

@@ -39,9 +39,21 @@ def round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def aligned(nbytes: int) -> np.ndarray:
-    """A zeroed uint8 buffer of ``nbytes`` whose address is a multiple of ``ALIGN``."""
-    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+def aligned(nbytes: int, *, pinned: bool | None = None) -> np.ndarray:
+    """A zeroed uint8 buffer of ``nbytes`` whose address is a multiple of ``ALIGN``; pinned
+    (page-locked, from torch's pinned allocator, which the array keeps alive) once an engine
+    of this process runs on CUDA (tandem.devices.pin_staging): the staging of device rows.
+    ``pinned=False``: a buffer whose bytes never meet the device (a write's bounce buffer of
+    host copies, compressed frames), grown on a writer's thread, where a pinned allocation
+    would be a CUDA call outside the capture lock."""
+    from tandem import devices
+
+    if devices.staging_pinned() if pinned is None else pinned:
+        import torch
+
+        raw = torch.zeros(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True).numpy()
+    else:
+        raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
     skip = (-raw.ctypes.data) % ALIGN
     return raw[skip:skip + nbytes]
 

@@ -62,6 +62,7 @@ file k; neither returns, nor fails, before ``_io`` is done with its folder.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -72,7 +73,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, NamedTuple, Sequence
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Literal, Mapping, NamedTuple,
+                    Sequence)
 
 import msgspec
 import numpy as np
@@ -81,6 +83,7 @@ import torch
 
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.namespace import Namespace
+from tandem.devices import host_clone
 from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, open_folder,
                               write_atomic_at,
                               round_up)
@@ -406,7 +409,8 @@ class SessionSpill:
         # is encoded into one while file k's write reads the other; each grows to the largest
         # file (a stored file is never larger than its buffers' bytes).
         self.overlap = overlap
-        self._stages = [aligned(0), aligned(0)]
+        self._device_calls: Callable[[], ContextManager] = contextlib.nullcontext  # a save's
+        self._stages = [aligned(0, pinned=False), aligned(0, pinned=False)]  # encoded bytes
         self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
 
     def close(self) -> None:
@@ -593,7 +597,8 @@ class SessionSpill:
     def save(self, eid: str, state: CacheState, valid: int, token_ids: Sequence[int],
              anchors: Mapping[int, SectionsCopy | Mapping[str, torch.Tensor]],
              end: SpillEnd | None, meta: EntryMeta, *, now: float | None = None,
-             writer_ms: float = 0.0, stop: Callable[[], bool] | None = None) -> SaveReport:
+             writer_ms: float = 0.0, stop: Callable[[], bool] | None = None,
+             device_calls: Callable[[], ContextManager] | None = None) -> SaveReport:
         """Write the conversation: rows ``[0, valid)`` of every view, the newest 4 of
         ``anchors`` (grid lines at or below ``valid``), ``end`` and ``meta``, keeping every
         block and anchor of the entry's files whose content is unchanged. Raises
@@ -601,13 +606,20 @@ class SessionSpill:
         writer waiting meanwhile; ``writer_ms``: how long the save waited in its caller's
         queue, for the log line. ``stop`` (a prewarm's): asked before each file; True raises
         ``SpillStopped`` with the entry deleted, as a failed write leaves it (the rows it held
-        are still the engine's)."""
+        are still the engine's). ``device_calls``: held around each step that issues device
+        work (the block sums and their copy, each buffer's planes and their copy to the
+        host): the spill writer's capture-lock grant on CUDA, so that a graph capture never
+        runs beside them and waits at most one buffer's copy; None (a CPU state) holds nothing."""
         t = time.perf_counter()
         with self.io_lock:
+            self._device_calls = device_calls or contextlib.nullcontext
             lock_ms = _ms(t)
-            with self.turns.save() as waits_ms:
-                report = self._save(eid, state, valid, token_ids, anchors, end, meta, now=now,
-                                    stop=stop)
+            try:
+                with self.turns.save() as waits_ms:
+                    report = self._save(eid, state, valid, token_ids, anchors, end, meta,
+                                        now=now, stop=stop)
+            finally:
+                self._device_calls = contextlib.nullcontext
         ms = {"writer": writer_ms, "lock": lock_ms, "waits": waits_ms, **report.ms,
               "total": _ms(t)}
         report = msgspec.structs.replace(report, ms=ms)
@@ -643,11 +655,13 @@ class SessionSpill:
                             "manifest"), 0.0)
 
         t = time.perf_counter()
-        # Every view's block sums in one tensor, off the device in one copy.
-        block_sums_host = host_sums(views_block_sums(state.views, 0, valid, G))  # [V, B, 2]
-        anchor_secs = {line: _tensors(anchors[line]) for line in lines}
-        anchor_sums = {line: host_sums(sections_sums(anchor_secs[line])) for line in lines}
-        end_sums = host_sums(sections_sums(dict(end.sections))) if end is not None else None
+        with self._device_calls():
+            # Every view's block sums in one tensor, off the device in one copy.
+            block_sums_host = host_sums(views_block_sums(state.views, 0, valid, G))  # [V, B, 2]
+            anchor_secs = {line: _tensors(anchors[line]) for line in lines}
+            anchor_sums = {line: host_sums(sections_sums(anchor_secs[line])) for line in lines}
+            end_sums = (host_sums(sections_sums(dict(end.sections))) if end is not None
+                        else None)
         ms["sums"] = _ms(t)
 
         with self._lock:
@@ -856,14 +870,19 @@ class SessionSpill:
             raw += nbytes
             target = memoryview(stage[at:at + nbytes])
             if self.codec_version == CODEC_VERSION:
-                planes = cut_planes(tensor.detach()).cpu().numpy()
+                with self._device_calls():
+                    planes = cut_planes(tensor.detach())
+                    if planes.device.type != "cpu":
+                        planes = host_clone(planes)  # pinned: one DMA off the device
+                planes = planes.numpy()
                 ms["copy"] += _ms(t)
                 t = time.perf_counter()
                 enc = self.codec.compress_planes(planes, tensor.dtype, list(tensor.shape),
                                                  target)
                 ms["compress"] += _ms(t)
             else:
-                enc = self.codec.encode(tensor, self.codec_version, target)
+                with self._device_calls():
+                    enc = self.codec.encode(tensor, self.codec_version, target)
                 ms["copy"] += _ms(t)
             stored = enc.header.nbytes
             padded = round_up(stored)
@@ -1090,7 +1109,7 @@ class SessionSpill:
         try:
             if f.size != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: {f.size} bytes, not {rec.file_nbytes}")
-            buf = aligned(rec.file_nbytes)
+            buf = aligned(rec.file_nbytes, pinned=False)  # frames: decoded on the host
             if rec.file_nbytes and f.pread_into(buf, 0) != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: cut")
         finally:
@@ -1158,7 +1177,7 @@ class _WritePipe:
         stages = self.spill._stages
         if stages[self._turn].nbytes < nbytes:
             t = time.perf_counter()
-            stages[self._turn] = aligned(nbytes)
+            stages[self._turn] = aligned(nbytes, pinned=False)
             self.ms["staging"] += _ms(t)
         return stages[self._turn]
 

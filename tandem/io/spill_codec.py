@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import zstandard
 
+from tandem import devices
 from tandem.kernels.planes import cut_planes, join_planes
 
 RAW = 0
@@ -218,7 +219,7 @@ class SpillCodec:
                                        f"{header.nbytes}")
         n = header.raw_nbytes
         if staging is None:
-            staging = torch.empty(n, dtype=torch.uint8)
+            staging = torch.empty(n, dtype=torch.uint8, pin_memory=devices.staging_pinned())
         if staging.dtype != torch.uint8 or staging.device.type != "cpu" or staging.numel() < n:
             raise ValueError(f"staging {staging.dtype} {staging.device} of {staging.numel()} "
                              f"bytes for a block of {n}")

@@ -41,6 +41,7 @@ import torch
 
 from tandem.cache.copies import RowsCopy, SectionsCopy
 from tandem.cache.namespace import Namespace
+from tandem.devices import host_clone
 from tandem.io.admission import Admission, DiskPlan, Entry, write_atomic
 from tandem.io.chain import Key, chain_keys
 from tandem.io.direct import ALIGN, round_up
@@ -135,7 +136,7 @@ def host_rows(views: Mapping[str, View], start: int, stop: int) -> HostRows:
     out = {}
     for name, v in views.items():
         t = v.rows(start, stop)
-        out[name] = t.clone() if t.device.type == "cpu" else t.to("cpu", copy=True)
+        out[name] = host_clone(t)  # a CPU tensor's clone; a device one's pinned copy
     return HostRows(start, stop, out, {name: v.token_axis for name, v in views.items()})
 
 

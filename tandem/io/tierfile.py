@@ -430,7 +430,7 @@ class TierFiles:
 
     def _write_section(self, f: DirectFile, src: np.ndarray, offset: int) -> int:
         if self._stage is None:
-            self._stage = aligned(self._stage_nbytes)
+            self._stage = aligned(self._stage_nbytes, pinned=False)  # host copies only
         stage = self._stage
         crc = 0
         for a in range(0, src.nbytes, stage.nbytes):

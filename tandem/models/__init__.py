@@ -21,18 +21,20 @@ class LoadedModel:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str) -> torch.dtype | None:
-    """``auto`` is fp32 on a CPU (bf16 products run a hundred times slower there) and the
-    checkpoint's own dtype on a GPU."""
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype | None:
+    """``auto`` is fp32 on a CPU (bf16 products run a hundred times slower there) and on a GPU
+    the checkpoint's own dtype (None: HybridModel.load reads it, bf16 for an fp32 one)."""
     if name == "auto":
-        return None if torch.cuda.is_available() else torch.float32
+        return None if torch.device(device).type == "cuda" else torch.float32
     if name not in _DTYPES:
         raise ModelError(f"unknown dtype {name!r}; use auto or one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 
-def load_model(spec: str, models_dir: Path, dtype: str = "auto") -> LoadedModel:
-    """``tiny`` (written under ``models_dir`` on first use) or a checkpoint directory."""
+def load_model(spec: str, models_dir: Path, dtype: str = "auto",
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """``tiny`` (written under ``models_dir`` on first use) or a checkpoint directory, on
+    ``device`` (a resolved one: tandem.devices.resolve_device turns the knob into it)."""
     from tandem.models.hybrid import HybridModel
     from tandem.models.tiny import TINY_NAME, ensure_tiny
 
@@ -43,7 +45,8 @@ def load_model(spec: str, models_dir: Path, dtype: str = "auto") -> LoadedModel:
         if not path.is_dir():
             raise ModelError(f"model {spec!r} is neither 'tiny' nor a checkpoint directory")
         name = path.name
-    model = HybridModel.load(path, dtype=resolve_dtype(dtype))
+    device = torch.device(device)
+    model = HybridModel.load(path, dtype=resolve_dtype(dtype, device), device=device)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer.tiktoken").is_file():
         from tandem.models.tokenizer import load_tokenizer

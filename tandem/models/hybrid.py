@@ -67,6 +67,9 @@ class HybridConfig:
     attention_bias: bool = False  # q/k/v/o_proj biases
     # mRoPE's temporal, height and width frequency counts (rope.mrope_axes); read by image rows
     mrope_section: tuple[int, ...] = rope.DEFAULT_MROPE_SECTION
+    # the recurrent state's dtype (gdn.S): fp32 unless the checkpoint says otherwise, as
+    # transformers and vLLM keep it whatever the weights' dtype
+    mamba_ssm_dtype: str = "float32"
 
     @classmethod
     def from_dict(cls, raw: dict) -> "HybridConfig":
@@ -120,6 +123,8 @@ class HybridConfig:
                 rope_scaling=rope_scaling,
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 mrope_section=rope.read_mrope_section(cfg),
+                mamba_ssm_dtype=str(cfg.get("mamba_ssm_dtype") or raw.get("mamba_ssm_dtype")
+                                    or "float32"),
             )
         except KeyError as exc:
             raise ModelError(f"config.json lacks {exc.args[0]!r}") from exc
@@ -169,6 +174,16 @@ def _dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+def _auto_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The compute dtype when none is asked: the checkpoint's on a CPU; on a GPU the
+    checkpoint's when it is a half type, else bf16 (vLLM's ``auto``: an fp32 checkpoint runs
+    in bf16 on a GPU)."""
+    dtype = _dtype(name)
+    if device.type != "cpu" and dtype == torch.float32:
+        return torch.bfloat16
+    return dtype
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5's zero-centred RMSNorm: x_hat * (1 + w), computed in fp32."""
     xf = x.float()
@@ -194,13 +209,18 @@ class HybridModel:
 
     def __init__(self, config: HybridConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype | None = None, source: Path | None = None,
-                 images: "vision.ImageSupport | None" = None):
+                 images: "vision.ImageSupport | None" = None,
+                 device: torch.device | str | None = None):
         self.config = config
+        # Every weight, buffer and state tensor of the language model lives here; the vision
+        # tower stays on the host (its rows move in embed).
+        self.device = torch.device(device or "cpu")
         # the vision tower and its processor's rules, for a checkpoint that has them
         self.images = images
         self.model_type = config.model_type
         self.vocab_size = config.vocab_size
-        self.dtype = dtype or _dtype(config.dtype)
+        self.dtype = dtype or _auto_dtype(config.dtype, self.device)
+        self.state_dtype = _dtype(config.mamba_ssm_dtype)
         self.source = source
         self._weights_digest = checkpoint.weights_digest(source) if source else ""
         self.gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
@@ -211,6 +231,9 @@ class HybridModel:
         self.inv_freq, self.rope_scale = rope.inv_freq(config.rope_type, config.rope_scaling,
                                                        config.rope_theta, config.rotary_dim)
         self._mrope_axes = rope.mrope_axes(config.mrope_section, self.inv_freq.shape[0])
+        if self.device.type != "cpu":
+            self.inv_freq = self.inv_freq.to(self.device)
+            self._mrope_axes = self._mrope_axes.to(self.device)
         self._fused = self._fuse_projections()
         self._gain = self._decode_constants()
         self._k = [f"layers.{i}." for i in range(len(config.layer_types))]
@@ -222,12 +245,23 @@ class HybridModel:
     # -- loading ---------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype | None = None) -> "HybridModel":
+    def load(cls, model_dir: str | Path, dtype: torch.dtype | None = None,
+             device: torch.device | str | None = None) -> "HybridModel":
+        """``device``: where the language model goes (the CPU by default). The files are read
+        on the host a tensor at a time and each moves to the device as the model takes it
+        (_check_and_cast), so the host holds one tensor (or one layer's stacked experts) at a
+        time; FP8 blocks are dequantised on the device where it has FP8 matmuls, else on the
+        host."""
         model_dir = Path(model_dir)
+        device = torch.device(device or "cpu")
         raw = checkpoint.read_config(model_dir)
         config = HybridConfig.from_dict(raw)
         fp8 = quant.read_quantization(raw)
-        dtype = dtype or _dtype(config.dtype)
+        dtype = dtype or _auto_dtype(config.dtype, device)
+        if device.type == "cuda":
+            from tandem import devices
+
+            devices.pin_staging()  # the caches' staging now copies device rows
         with_tower = isinstance(raw.get("vision_config"), dict)
 
         def rename(name: str) -> str | None:
@@ -235,18 +269,22 @@ class HybridModel:
                 return "visual." + inside
             return _model_name(name, config)
 
-        weights, report = checkpoint.read_weights(model_dir, rename, dtype, fp8)
+        fp8_device = device if fp8 is not None and _fp8_on(device) else None
+        weights, report = checkpoint.read_weights(model_dir, rename, dtype, fp8,
+                                                  fp8_device=fp8_device)
         images = None
         if with_tower:
             tower = {k[len("visual."):]: weights.pop(k) for k in list(weights)
                      if k.startswith("visual.")}
             images = vision.ImageSupport.load(model_dir, raw, tower, dtype)
             del tower
-        model = cls(config, weights, dtype=dtype, source=model_dir, images=images)
+        model = cls(config, weights, dtype=dtype, source=model_dir, images=images,
+                    device=device)
         del weights  # what the model did not take over (it stacks the experts as it frees them)
         held = {t.data_ptr(): t for t in model.w.values()}.values()  # tied: one tensor
         log.info("checkpoint_loaded", model_type=config.model_type,
-                 dtype=str(dtype).removeprefix("torch."),
+                 dtype=str(dtype).removeprefix("torch."), device=str(device),
+                 state_dtype=str(model.state_dtype).removeprefix("torch."),
                  parameters=sum(t.numel() for t in held),
                  nbytes=sum(t.numel() * t.element_size() for t in held),
                  files=report.files, tensors=report.tensors, skipped_tensors=report.skipped,
@@ -320,6 +358,11 @@ class HybridModel:
                 raise ModelError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
             # A_log and dt_bias are cast too, as transformers does: the decay math then upcasts.
             out[name] = t.to(self.dtype).contiguous()
+            if self.device.type != "cpu":
+                # to the device as it is taken, its host copy dropped: the host never holds
+                # the model whole beside the device's
+                out[name] = out[name].to(self.device)
+                del weights[name], t
         if c.tie_word_embeddings:
             out["lm_head.weight"] = out["embed_tokens.weight"]
         return out
@@ -329,17 +372,17 @@ class HybridModel:
     def new_state(self, window: int) -> ModelState:
         c = self.config
         s = torch.zeros(len(self.gdn_layers), c.linear_num_value_heads, c.linear_key_head_dim,
-                        c.linear_value_head_dim, dtype=torch.float32)
+                        c.linear_value_head_dim, dtype=self.state_dtype, device=self.device)
         conv = torch.zeros(len(self.gdn_layers), c.conv_dim, c.linear_conv_kernel_dim - 1,
-                           dtype=self.dtype)
+                           dtype=self.dtype, device=self.device)
         kv_shape = (len(self.attn_layers), c.num_key_value_heads, window, c.head_dim)
         # Untouched pages: a page of rows is backed only once a forward writes it (the window's
         # zeros touched every page up front, 1.5 GiB at 0.8B-like dims and 64k rows), and
         # rows.release_rows gives pages above a length back. No read sees a row above the
         # length: attention slices the keys to [0, end) and writes rows [start, end) first,
         # and every cache copies views by rows under the length.
-        k = rows.empty_rows(kv_shape, self.dtype)
-        v = rows.empty_rows(kv_shape, self.dtype)
+        k = rows.empty_rows(kv_shape, self.dtype, self.device)
+        v = rows.empty_rows(kv_shape, self.dtype, self.device)
         return ModelState(sections={"gdn.S": s, "gdn.conv": conv},
                           views={"K": View(k, 2), "V": View(v, 2)})
 
@@ -347,7 +390,7 @@ class HybridModel:
         c = self.config
         el = torch.tensor([], dtype=self.dtype).element_size()
         state = (len(self.gdn_layers) * c.linear_num_value_heads * c.linear_key_head_dim
-                 * c.linear_value_head_dim * 4
+                 * c.linear_value_head_dim * torch.tensor([], dtype=self.state_dtype).element_size()
                  + len(self.gdn_layers) * c.conv_dim * (c.linear_conv_kernel_dim - 1) * el)
         row = 2 * len(self.attn_layers) * c.num_key_value_heads * c.head_dim * el
         inter = max(c.intermediate_size, c.moe_intermediate_size * max(c.num_experts_per_tok, 1),
@@ -374,6 +417,8 @@ class HybridModel:
             "model_type": self.model_type,
             "config": json.dumps(self.config.__dict__, sort_keys=True, default=list),
             "dtype": str(self.dtype),
+            **({"state_dtype": str(self.state_dtype)}
+               if self.state_dtype != torch.float32 else {}),
             "weights": self._weights_digest,
             "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), moe, reference,
                                           decode_ops, *((vision,) if self.images else ())),
@@ -382,7 +427,7 @@ class HybridModel:
     # -- forward ---------------------------------------------------------------------------
 
     def _rope(self, start: int, num_tokens: int):
-        pos = torch.arange(start, start + num_tokens, dtype=torch.float32)
+        pos = torch.arange(start, start + num_tokens, dtype=torch.float32, device=self.device)
         freqs = pos[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -395,7 +440,7 @@ class HybridModel:
         rope.mrope_axes gives it. Where a row's three ids are equal these are _rope's bits
         (the same products, picked rather than recomputed)."""
         n = positions.shape[1]
-        freqs = positions.to(torch.float32)[:, :, None] * self.inv_freq[None, None, :]
+        freqs = positions.to(self.device, torch.float32)[:, :, None] * self.inv_freq[None, None, :]
         axes = self._mrope_axes[None, None, :].expand(1, n, -1)
         freqs = torch.gather(freqs, 0, axes)[0]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -411,7 +456,7 @@ class HybridModel:
         x = F.embedding(token_ids, self.w["embed_tokens.weight"])
         if image_rows is not None:
             index, rows_ = image_rows
-            x[index] = rows_.to(x.dtype)
+            x[index.to(x.device)] = rows_.to(x.device, x.dtype)
         return x
 
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
@@ -471,6 +516,7 @@ class HybridModel:
                 rope_offset: int = 0) -> torch.Tensor:
         c = self.config
         num_tokens = token_ids.shape[0]
+        token_ids = token_ids.to(self.device)  # the engine's ids are the host's
         x = self.embed(token_ids, image_rows)
         if rope_positions is not None:
             if tuple(rope_positions.shape) != (3, num_tokens):
@@ -555,9 +601,9 @@ class HybridModel:
         SDPA turns a boolean mask into this in each call (35 ms a layer at 16k keys on tiny),
         and the two give the same bits."""
         end = start + num_tokens
-        mask = torch.zeros(num_tokens, end, dtype=self.dtype)
+        mask = torch.zeros(num_tokens, end, dtype=self.dtype, device=self.device)
         mask[:, start:] = torch.full((num_tokens, num_tokens), float("-inf"),
-                                     dtype=self.dtype).triu(1)
+                                     dtype=self.dtype, device=self.device).triu(1)
         return mask
 
     def _attention(self, i: int, h: torch.Tensor, state: ModelState, start: int,
@@ -676,11 +722,11 @@ class HybridModel:
             x = embed[token_ids[0]].expand(decode_ops.BLOCK, -1)
         else:
             ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
-            x = F.embedding(torch.tensor(ids, dtype=torch.long), embed)
+            x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device), embed)
         rows = x.shape[0]
         turns = positions if rope_offsets is None else [p + o for p, o in
                                                           zip(positions, rope_offsets)]
-        pos = torch.tensor(turns, dtype=torch.float32)
+        pos = torch.tensor(turns, dtype=torch.float32, device=self.device)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
@@ -823,6 +869,12 @@ def _scalar(value: float) -> torch.Tensor:
     if t is None:
         t = _SCALARS[value] = torch.tensor(value, dtype=torch.float32)
     return t
+
+
+def _fp8_on(device: torch.device) -> bool:
+    from tandem import devices
+
+    return devices.has_fp8_matmul(device)
 
 
 def _mean_last(x: torch.Tensor) -> torch.Tensor:

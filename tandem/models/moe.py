@@ -77,8 +77,9 @@ def fuse_experts(weights: dict[str, torch.Tensor], m: str, c, dtype: torch.dtype
     if m + "experts.gate_up_proj" in weights or m + "experts.0.gate_proj.weight" not in weights:
         return  # fused already, or nothing to stack: the shape check names what is missing
     h, i = c.hidden_size, c.moe_intermediate_size
-    gate_up = torch.empty((c.num_experts, 2 * i, h), dtype=dtype)
-    down = torch.empty((c.num_experts, h, i), dtype=dtype)
+    device = weights[m + "experts.0.gate_proj.weight"].device  # the stacks where the parts are
+    gate_up = torch.empty((c.num_experts, 2 * i, h), dtype=dtype, device=device)
+    down = torch.empty((c.num_experts, h, i), dtype=dtype, device=device)
     for e in range(c.num_experts):
         for part, dst in (("gate_proj", gate_up[e, :i]), ("up_proj", gate_up[e, i:]),
                           ("down_proj", down[e])):

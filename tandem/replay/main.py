@@ -102,9 +102,11 @@ async def replay(rows: list[dict[str, Any]], config: Config, *, mode: str = "ver
         async with UrlTarget(url) as target:
             return report(await replayer.run(target))
     if loaded is None:
+        from tandem.devices import engine_device
         from tandem.models import load_model
 
-        loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype)
+        loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype,
+                            engine_device(config))
     server = config.server
     if mode == "forced":
         server = msgspec.structs.replace(server, allow_forced_output=True)

@@ -177,7 +177,8 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                 # identity); the tier's write guard counts its bytes.
                 spill_writer = SpillWriterActor(
                     "spill_writer", spill=lambda: getattr(engine, "spill", None),
-                    guard=lambda: getattr(engine.disk_tier, "guard", None))
+                    guard=lambda: getattr(engine.disk_tier, "guard", None),
+                    engine=engine)  # its saves of device rows hold the capture lock
                 engine.spill_writer = spill_writer
     supervisor = Supervisor()
     if suffix is not None:
@@ -298,8 +299,10 @@ def make_store(config: Config, store: StoreActor, engine: Engine) -> StateStore:
 def make_governor(config: Config, model) -> MemoryGovernor:
     """The memory governor over the device the model runs on (its core; the engine actor
     calls it on the engine thread, the governor actor edits its limits)."""
-    device = str(getattr(model, "device", "cpu"))
-    allocator = CudaAllocator() if device.startswith("cuda") else CpuAllocator()
+    import torch
+
+    device = torch.device(getattr(model, "device", "cpu"))  # cuda:N: that device's memory
+    allocator = CudaAllocator(device.index or 0) if device.type == "cuda" else CpuAllocator()
     m = config.memory
     limits = MemoryLimits.resolve(m.mem_ceiling_gib, m.mem_peak_gib, m.reserve_slack_gib,
                                   allocator.total_nbytes())

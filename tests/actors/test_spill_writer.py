@@ -12,6 +12,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -445,3 +446,64 @@ async def test_a_writer_without_a_spill_answers_off(hybrid):
         assert (await ask(harness, conv.save())).skipped == "off"
         assert (await ask(harness, GetSpillStats())).stats == {"on": False}
         assert isinstance(await ask(harness, DrainSpill()), SpillDrained)
+
+
+# -- the capture lock (issue 20, part 3) ---------------------------------------------------
+
+async def _save_granting(harness, engine, msg) -> tuple[SpillSaved, int]:
+    """Ask the save while the fake engine grants every request of the writer in turn, each
+    released before the next is asked; the reply and how many grants it took."""
+    from tandem.actors.engine_messages import (CaptureLockGranted, ReleaseCaptureLock,
+                                               RequestCaptureLock)
+
+    reply = asyncio.ensure_future(ask(harness, msg))
+    grants = 0
+    while not reply.done():
+        request = asyncio.ensure_future(engine.expect(RequestCaptureLock, TIMEOUT_S))
+        await asyncio.wait({reply, request}, return_when=asyncio.FIRST_COMPLETED)
+        if not request.done():
+            request.cancel()
+            break
+        grants += 1
+        request.result().reply_to.put_nowait(CaptureLockGranted("spill_writer", grants))
+        release = await engine.expect(ReleaseCaptureLock, TIMEOUT_S)
+        assert release.grant_id == grants
+    return await reply, grants
+
+
+async def test_a_save_of_device_rows_holds_a_grant_around_each_files_device_work(
+        hybrid, spill, monkeypatch):
+    from tandem.actors import spill_writer
+
+    # the rows taken for a device's (the CPU has none): the grants are what CUDA gets
+    monkeypatch.setattr(spill_writer, "on_device", lambda state: True)
+    conv = Conversation(hybrid, tokens(hybrid.vocab_size, 300, 1), decoded=21)
+    harness = Harness()
+    engine = harness.probe("engine")
+    writer = harness.add(SpillWriterActor(spill=spill, engine=engine))
+    async with harness:
+        saved, grants = await _save_granting(harness, engine, conv.save())
+        assert saved.skipped == ""
+        r = saved.report
+        # the sums (one step), then each buffer's planes and their copy, each under its own:
+        # a block's views, an anchor's (and the end's) sections
+        state = conv.engine.cache_state()
+        assert grants == (1 + r.blocks_written * len(state.views)
+                          + r.anchors_written * len(state.sections))
+        assert writer.counters["grants"] == grants
+        # the drain's sender keeps the device still: no grant asked, none waited for
+        conv.engine.decode(5)
+        msg = msgspec.structs.replace(conv.save("drain"), locked=True)
+        drained, grants = await _save_granting(harness, engine, msg)
+        assert drained.skipped == "" and grants == 0
+        assert not engine.unread
+
+
+async def test_a_save_of_host_rows_asks_no_grant(hybrid, spill):
+    conv = Conversation(hybrid, tokens(hybrid.vocab_size, 200, 2), decoded=3)
+    harness = Harness()
+    engine = harness.probe("engine")
+    harness.add(SpillWriterActor(spill=spill, engine=engine))
+    async with harness:
+        saved, grants = await _save_granting(harness, engine, conv.save())
+        assert saved.skipped == "" and grants == 0

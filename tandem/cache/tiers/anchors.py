@@ -12,6 +12,7 @@ import structlog
 
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.memory import MemoryAccountant
+from tandem.devices import host_clone
 from tandem.models.base import CacheState
 
 log = structlog.get_logger()
@@ -68,7 +69,7 @@ class Anchors:
         then the tier's."""
         if line in self.copies or not self.memory.reserve(LEVEL, copy.nbytes):
             return False
-        self.copies[line] = (SectionsCopy({k: t.clone() for k, t in copy.tensors.items()})
+        self.copies[line] = (SectionsCopy({k: host_clone(t) for k, t in copy.tensors.items()})
                              if clone else copy)
         return True
 
