@@ -349,3 +349,66 @@ async def test_a_compaction_of_an_image_conversation_continues_at_its_end_and_th
             model="small", messages=messages, max_tokens=6, temperature=0, extra_body=OFF)
         assert again.choices  # the server still serves after the continuation's suffix append
         assert (await _stats(server))["tiers"]["images"]["misses"] == 1
+
+
+@pytest.mark.parametrize("tier", ["disk", "store"])
+async def test_key_ids_through_the_disk_tier_and_the_state_store(vl_loaded, make_config, serve,
+                                                                 sdk, tier):
+    """With the rows in place gone (a clear of the caches in RAM, or another conversation in
+    the only slot), the same pixels in other bytes resume past the image from the disk tier or
+    the state store; new pixels resume no further than the image's start."""
+    from tandem.config import DiskConfig, EngineConfig
+
+    config = _config(make_config)
+    if tier == "disk":
+        config = msgspec.structs.replace(config, disk=DiskConfig(
+            disk_cache="on", disk_cache_min_free_gb=0, disk_cache_min_tokens=64,
+            disk_cache_admit_after=1))
+    else:
+        config = msgspec.structs.replace(
+            config, cache=CacheConfig(store=True, resident_park_gb=0),  # no park to resume
+            engine=msgspec.structs.replace(config.engine, parallel=1))
+    head = len(encode_chat(vl_loaded.tokenizer, [{"role": "system", "content": SYSTEM}], None,
+                           add_generation_prompt=False))
+    image_start = head + 3
+    async with serve(build_app(config, vl_loaded)) as server:
+        client = sdk(server)
+
+        async def ask(image, text="What is in this picture?"):
+            return await client.chat.completions.create(
+                model="small", messages=[{"role": "system", "content": SYSTEM},
+                                         _user(_url(image), text)],
+                max_tokens=4, temperature=0, extra_body=OFF)
+
+        async def away():
+            if tier == "disk":
+                import aiohttp
+                async with aiohttp.ClientSession() as http:
+                    async with http.post(f"http://127.0.0.1:{server.port}/v1/cache/clear",
+                                         json={}) as r:
+                        assert r.status == 200
+            else:
+                await client.chat.completions.create(
+                    model="small", messages=[{"role": "user", "content": "Another talk. " * 40}],
+                    max_tokens=2, temperature=0, extra_body=OFF)
+
+        first = await ask(_png(1))
+        await _settle(server)
+        await away()
+        same = await ask(_png(1, level=9), "And its colours?")
+        await away()
+        new = await ask(_png(2), "And its colours?")
+    assert _cache(same)["source"] == ("disk" if tier == "disk" else "store"), _cache(same)
+    assert same.usage.prompt_tokens_details.cached_tokens > image_start  # rows of the image
+    assert new.usage.prompt_tokens_details.cached_tokens <= image_start
+    assert _cache(first)["source"] == "cold"
+
+
+async def _settle(server) -> None:
+    """The disk writer's queue empty (its writes come after the request)."""
+    import asyncio
+    for _ in range(200):
+        disk = (await _stats(server))["tiers"].get("disk")
+        if not disk or not disk.get("queued_jobs"):
+            return
+        await asyncio.sleep(0.05)
