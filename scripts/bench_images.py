@@ -8,7 +8,10 @@ chat that resends its image every turn, with the caches on against off, side by 
    once with the caches on (the resident prefix, the tower's cache) and once with them off
    (``caches`` false and ``image_cache_mb`` 0: the engine alone, which still goes on over the
    rows in place when a prompt extends them). Each turn's TTFT (streamed: the first content
-   chunk), cached tokens and tower runs (the journal's).
+   chunk), cached tokens and tower runs (the journal's). With ``--between`` (on by default)
+   another user's text chat takes the only slot (``parallel`` 1) between two turns, as a second
+   conversation on a shared server does: then the engine alone has lost the image's rows at every
+   turn, and the caches (the park, the tower's cache) are what brings them back.
 
 Absolute times on a shared machine mean little; on against off, turn by turn, is the figure.
 
@@ -81,8 +84,11 @@ def per_image(loaded: Any, sizes: list[tuple[int, int]], reps: int) -> list[dict
     return rows
 
 
-async def chat(config: Any, loaded: Any, image: bytes, turns: int, max_tokens: int
-               ) -> list[dict]:
+OTHER = [{"role": "user", "content": "Summarise the plot of a long novel for me. " * 30}]
+
+
+async def chat(config: Any, loaded: Any, image: bytes, turns: int, max_tokens: int,
+               between: bool = False) -> list[dict]:
     import aiohttp
     from aiohttp.test_utils import TestServer
 
@@ -125,6 +131,12 @@ async def chat(config: Any, loaded: Any, image: bytes, turns: int, max_tokens: i
                             "tower_runs": images.get("tower_runs", 0)})
                 messages = messages + [{"role": "assistant", "content": text},
                                        {"role": "user", "content": f"And then? ({turn})"}]
+                if between:
+                    other = {"model": loaded.name, "messages": OTHER, "max_tokens": 2,
+                             "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+                    async with http.post("/v1/chat/completions", json=other) as resp:
+                        if resp.status != 200:
+                            raise SystemExit(f"the other chat: {resp.status}")
     finally:
         await server.close()
     return out
@@ -137,6 +149,8 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5, help="runs of each image's timing")
     parser.add_argument("--sizes", default="256x256,640x480,1024x768")
     parser.add_argument("--chat-size", default="640x480", help="the chat's image")
+    parser.add_argument("--between", action=argparse.BooleanOptionalAction, default=True,
+                        help="another user's chat takes the only slot between two turns")
     args, config, loaded = bench_config(parser)
     if getattr(loaded.model, "images", None) is None:
         raise SystemExit(f"{loaded.name} has no vision tower")
@@ -155,9 +169,15 @@ def main() -> int:
                 config, home=f"{home}/{name}",
                 cache=msgspec.structs.replace(config.cache, caches=caches),
                 images=msgspec.structs.replace(config.images, image_cache_mb=mb))
-            runs[name] = asyncio.run(chat(c, loaded, image, args.turns, args.max_tokens))
+            if args.between:
+                c = msgspec.structs.replace(
+                    c, engine=msgspec.structs.replace(c.engine, parallel=1))
+            runs[name] = asyncio.run(chat(c, loaded, image, args.turns, args.max_tokens,
+                                          args.between))
     print(f"\nOpen WebUI-shaped chat, its {args.chat_size} image resent every turn, "
-          f"prefix_chunk {config.engine.prefix_chunk}\n")
+          f"prefix_chunk {config.engine.prefix_chunk}"
+          + (", another user's chat in the only slot between turns" if args.between else "")
+          + "\n")
     print("| turn | prompt | cached on | TTFT on ms | tower on | cached off | TTFT off ms "
           "| tower off |\n|---:|---:|---:|---:|---:|---:|---:|---:|")
     for on, off in zip(runs["on"], runs["off"]):
