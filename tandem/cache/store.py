@@ -92,43 +92,7 @@ class StorePort(Protocol):
     actor's port, whose every call is a message to the actor."""
 
     def offer(self, prompt_ids: list[int],
-              namespace: Namespace = SHARED) -> tuple[int, StoreEntry | None]:
-        """The longest entry of ``namespace`` whose tokens start the prompt with at least one
-        token left to forward: (its length, the entry, leased until ``release``), or (0, None),
-        a miss."""
-        entry, collisions = self._find(prompt_ids, namespace)
-        self.stats.collisions += collisions
-        if entry is None:
-            self.stats.misses += 1
-            return 0, None
-        self._leased[id(entry)] = self._leased.get(id(entry), 0) + 1
-        return entry.n, entry
-
-    def peek(self, prompt_ids: list[int], namespace: Namespace = SHARED) -> int:
-        """Where ``offer`` would resume the prompt (0: nowhere), with nothing leased, counted
-        or moved in the LRU order (a peek's)."""
-        entry, _ = self._find(prompt_ids, namespace)
-        return 0 if entry is None else entry.n
-
-    def _find(self, prompt_ids: list[int], namespace: Namespace
-              ) -> tuple[StoreEntry | None, int]:
-        """The longest entry ``offer`` takes, and the hash collisions met on the way."""
-        prompt = list(prompt_ids)
-        limit = len(prompt) - 1
-        collisions = 0
-        for n in sorted({e.n for e in self._entries.values()}, reverse=True):
-            if n > limit:
-                continue
-            head = prompt[:n]
-            for entry in self._buckets.get((namespace, self.hash_fn(head)), ()):
-                if entry.n != n:
-                    continue
-                # Element by element: the hash is only a hint.
-                if entry.namespace == namespace and entry.key_ids == head:
-                    return entry, collisions
-                collisions += 1
-        return None, collisions
-
+              namespace: Namespace = SHARED) -> tuple[int, StoreEntry | None]: ...
     def release(self, entry: StoreEntry, hit: bool) -> None: ...
     def holds(self, key_ids: list[int], namespace: Namespace = SHARED) -> bool: ...
     def admit(self, key_ids: list[int], kind: str, nbytes: int,
@@ -167,8 +131,26 @@ class StoreCore:
         """The longest entry of ``namespace`` whose tokens start the prompt with at least one
         token left to forward: (its length, the entry, leased until ``release``), or (0, None),
         a miss."""
+        entry, collisions = self._longest(prompt_ids, namespace)
+        self.stats.collisions += collisions
+        if entry is None:
+            self.stats.misses += 1
+            return 0, None
+        self._leased[id(entry)] = self._leased.get(id(entry), 0) + 1
+        return entry.n, entry
+
+    def peek(self, prompt_ids: list[int], namespace: Namespace = SHARED) -> int:
+        """Where ``offer`` would resume the prompt (0: nowhere), with nothing leased, counted
+        or moved in the LRU order (a peek's)."""
+        entry, _ = self._longest(prompt_ids, namespace)
+        return 0 if entry is None else entry.n
+
+    def _longest(self, prompt_ids: list[int], namespace: Namespace
+                 ) -> tuple[StoreEntry | None, int]:
+        """The entry ``offer`` takes (None: a miss), and the hash collisions met on the way."""
         prompt = list(prompt_ids)
         limit = len(prompt) - 1
+        collisions = 0
         for n in sorted({e.n for e in self._entries.values()}, reverse=True):
             if n > limit:
                 continue
@@ -178,25 +160,9 @@ class StoreCore:
                     continue
                 # Element by element: the hash is only a hint.
                 if entry.namespace == namespace and entry.key_ids == head:
-                    self._leased[id(entry)] = self._leased.get(id(entry), 0) + 1
-                    return n, entry
-                self.stats.collisions += 1
-        self.stats.misses += 1
-        return 0, None
-
-    def peek(self, prompt_ids: list[int], namespace: Namespace = SHARED) -> int:
-        """Where ``offer`` would resume the prompt (0: nowhere), with nothing leased, counted
-        or moved in the LRU order (a peek's)."""
-        prompt = list(prompt_ids)
-        limit = len(prompt) - 1
-        for n in sorted({e.n for e in self._entries.values()}, reverse=True):
-            if n > limit:
-                continue
-            head = prompt[:n]
-            for entry in self._buckets.get((namespace, self.hash_fn(head)), ()):
-                if entry.n == n and entry.namespace == namespace and entry.key_ids == head:
-                    return n
-        return 0
+                    return entry, collisions
+                collisions += 1
+        return None, collisions
 
     def release(self, entry: StoreEntry, hit: bool) -> None:
         """The engine is done with an offered entry; ``hit``: it restored it."""
