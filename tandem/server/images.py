@@ -119,7 +119,8 @@ async def _bytes_of(part: ImagePart, limits: ImageLimits,
                     http: aiohttp.ClientSession | None) -> bytes:
     url = part.url
     if url[:5].lower() == "data:":
-        return data_url_bytes(url, part.where, limits)
+        # base64 of up to image_max_mb: tens of ms of a core, never on the loop
+        return await asyncio.to_thread(data_url_bytes, url, part.where, limits)
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme not in ("http", "https"):
         raise bad_request(f"{part.where}: an image url must be a data: URL"
