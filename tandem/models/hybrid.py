@@ -736,14 +736,16 @@ class HybridModel:
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def forward_ragged(self, states: list[ModelState], blocks: list[list[int]],
-                       positions: list[int], rope_offsets: list[int] | None = None
+                       positions: list[int], rope_offsets: list[int] | None = None,
+                       verify: list[bool] | None = None
                        ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor] | None]]:
         """One step over a ragged batch: sequence b forwards ``blocks[b]`` at positions
         ``positions[b]...``: one token (a decode: its row written, its sections advanced, as
         forward_batch) or a verify block of several (every row written, the sections in place
         left as they were, and each section's value after every position returned, as
-        forward_verify). Returns each sequence's fp32 logits ``[len(blocks[b]), vocab]`` and its
-        steps (None for a decode).
+        forward_verify; ``verify[b]`` says which, by default a block of more than one token).
+        Returns each sequence's fp32 logits ``[len(blocks[b]), vocab]`` and its steps (None
+        for a decode).
 
         Every projection and MLP is one rows_linear over all the batch's rows (the weights read
         once a step for every sequence, decodes and verify blocks together). A verify block's
@@ -758,11 +760,14 @@ class HybridModel:
         1,024, fp32, 2 threads) where rows_linear reads it once a pair. A sequence's logits
         and steps are therefore the same bits alone (Engine.verify runs this at B = 1) and at
         any place of any batch. Batches of decodes only go to forward_batch: the same bits."""
-        if all(len(b) == 1 for b in blocks):
+        verify = verify or [len(b) > 1 for b in blocks]
+        if any(not b or (len(b) > 1 and not v) for b, v in zip(blocks, verify)):
+            raise ValueError("a decode forwards one token, a verify block one or more")
+        if not any(verify):
             logits = self.forward_batch(states, [b[0] for b in blocks], positions,
                                         rope_offsets=rope_offsets)
             return [row[None] for row in logits], [None] * len(blocks)
-        ragged = _Ragged(states, blocks, self.device)
+        ragged = _Ragged(states, blocks, verify, self.device)
         ids = [t for b in blocks for t in b]
         offsets = rope_offsets or [0] * len(blocks)
         at = [p + j for p, b in zip(positions, blocks) for j in range(len(b))]
@@ -782,7 +787,8 @@ class HybridModel:
         for a in range(0, len(verify), VERIFY_HEAD_ROWS):
             # the last group reaches back to hold 2 rows or more: every call in the class
             s = max(0, min(a, len(verify) - 2))
-            idx = torch.tensor(verify[s:a + VERIFY_HEAD_ROWS], device=self.device)
+            group = verify[s:a + VERIFY_HEAD_ROWS]
+            idx = torch.tensor(group * 2 if len(group) == 1 else group, device=self.device)
             out[idx] = torch.mm(head, x[idx].transpose(0, 1)).transpose(0, 1).float()
         logits = list(out.split([len(b) for b in blocks]))
         return logits, ragged.steps()
@@ -946,14 +952,14 @@ class _Ragged:
     t runs on the state its row t - 1 left: a decode on its sections in place (advanced), a
     verify row on ``work[b][name][t]``, a copy of the state before it, kept (the steps)."""
 
-    def __init__(self, states: list[ModelState], blocks: list[list[int]], device):
+    def __init__(self, states: list[ModelState], blocks: list[list[int]], verify: list[bool],
+                 device):
         self.sections = [{name: s.sections[name].unbind(0) for name in ("gdn.conv", "gdn.S")}
                          for s in states]
         self.work: list[dict[str, torch.Tensor] | None] = [
-            None if len(b) == 1 else
             {name: s.sections[name].new_empty((len(b),) + tuple(s.sections[name].shape))
-             for name in ("gdn.conv", "gdn.S")}
-            for s, b in zip(states, blocks)]
+             for name in ("gdn.conv", "gdn.S")} if v else None
+            for s, b, v in zip(states, blocks, verify)]
         self.rows: list[tuple[int, int]] = [(b, j) for b, blk in enumerate(blocks)
                                             for j in range(len(blk))]
         self.decode_rows = [r for r, (b, _) in enumerate(self.rows) if self.work[b] is None]
