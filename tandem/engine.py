@@ -691,8 +691,11 @@ class Engine:
         With ``params.logprobs``, ``on_logprobs(entry)`` sees each emitted token's entry just
         before ``on_token`` sees the token; the entry comes from the logits of the position
         that produced the token (a verify block's row for a draft it accepted), so speculation
-        reports plain decoding's logprobs up to the verify forward's rounding (its arithmetic
-        is not decode's: about 1e-5 apart on the test models). With ``params.prompt_logprobs``,
+        reports plain decoding's logprobs up to the verify forward's rounding (the hybrid's
+        block runs decode's arithmetic but for the head's matmul: about 1e-6 apart on the test
+        models; the third architecture's about 1e-5). A verify block is a `VerifyStep`, sent
+        back its logits as a decode step is (batched beside other sequences' steps: the same
+        bits as alone). With ``params.prompt_logprobs``,
         ``on_prompt_logprobs(entries)`` runs once after the prefill, before the first token.
         ``params.max_tokens`` 0 (echo without generation: a prompt's log-likelihood) forwards
         the prompt and samples nothing: no token, no draw, no forced token asked for, nothing
