@@ -778,20 +778,47 @@ class HybridModel:
                         self.w["embed_tokens.weight"])
         x = self._step_layers(x, len(ids), turns, at, keys, values, None, None, ragged)
         x = _rms_rows(x, self._gain["norm.weight"], self._eps)
-        out = x.new_empty(len(ids), self.vocab_size, dtype=torch.float32)
+        logits: list[torch.Tensor | None] = [None] * len(blocks)
+        first = [0]
+        for b in blocks:
+            first.append(first[-1] + len(b))
         if ragged.decode_rows:
-            idx = ragged.decode_index
-            out[idx] = self._linear(x[idx], "lm_head.weight").float()
-        verify = ragged.verify_rows
-        head = self.w["lm_head.weight"]
-        for a in range(0, len(verify), VERIFY_HEAD_ROWS):
-            # the last group reaches back to hold 2 rows or more: every call in the class
-            s = max(0, min(a, len(verify) - 2))
-            group = verify[s:a + VERIFY_HEAD_ROWS]
-            idx = torch.tensor(group * 2 if len(group) == 1 else group, device=self.device)
-            out[idx] = torch.mm(head, x[idx].transpose(0, 1)).transpose(0, 1).float()
-        logits = list(out.split([len(b) for b in blocks]))
+            rows = self._linear(x[ragged.decode_index], "lm_head.weight").float()
+            for row, (b, _) in zip(rows, (ragged.rows[r] for r in ragged.decode_rows)):
+                logits[b] = row[None]
+        # the verify rows' head a group of whole blocks at a time, each block's logits a view
+        # of its group's result (no copy of rows x vocab floats)
+        group: list[int] = []
+        for b in [b for b, v in enumerate(verify) if v] + [None]:
+            if b is None or (group and sum(len(blocks[g]) for g in group) + len(blocks[b])
+                             > VERIFY_HEAD_ROWS):
+                if group:
+                    idx = torch.cat([torch.arange(first[g], first[g + 1]) for g in group])
+                    res = self._verify_head(x[idx.to(self.device)])
+                    at = 0
+                    for g in group:
+                        logits[g] = res[at:at + len(blocks[g])]
+                        at += len(blocks[g])
+                group = []
+            if b is not None:
+                group.append(b)
         return logits, ragged.steps()
+
+    def _verify_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of verify rows ``[M, vocab]`` fp32 (a transposed view): torch.mm(W, X^T)
+        over at most VERIFY_HEAD_ROWS rows a call and at least 2 (a lone row twice, a last
+        group reaching back), every call in the class that gives a row its own bits."""
+        head, m = self.w["lm_head.weight"], x.shape[0]
+        if m == 1:
+            return torch.mm(head, x.expand(2, -1).transpose(0, 1))[:, :1].transpose(0, 1).float()
+        if m <= VERIFY_HEAD_ROWS:
+            return torch.mm(head, x.transpose(0, 1)).transpose(0, 1).float()
+        parts = []
+        for a in range(0, m, VERIFY_HEAD_ROWS):
+            s = min(a, m - 2)
+            part = torch.mm(head, x[s:a + VERIFY_HEAD_ROWS].transpose(0, 1)).transpose(0, 1)
+            parts.append(part[a - s:])
+        return torch.cat(parts).float()
 
     def _step_layers(self, x: torch.Tensor, n: int, turns: list[int], positions: list[int],
                      keys: list[torch.Tensor], values: list[torch.Tensor],

@@ -164,3 +164,21 @@ def test_generations_with_speculation_batched_give_the_tokens_and_rows_of_each_a
         _same_state(engine, alone)
         # speculation on writes the tokens of speculation off
         assert result.token_ids == _alone(model, prompt, p)[0]
+
+
+def test_long_blocks_and_a_one_token_block_are_their_own_bits_in_a_batch(model):
+    """The verify rows' head takes groups of whole blocks up to VERIFY_HEAD_ROWS rows: a block
+    longer than a group splits (its last call reaching back), a one-token block is a verify
+    still (its sections kept, not advanced), and each is the bits it gets alone."""
+    prompts = [_prompt(50 + i, 10 + i) for i in range(5)]
+    batched, alone = _engines(model, prompts), _engines(model, prompts)
+    lengths = (40, 1, 20, 20, 1)
+    steps = [VerifyStep(e, tuple((5 * i + j) % 80 + 3 for j in range(n))) if i != 4
+             else DecodeStep(e, 9) for i, (e, n) in enumerate(zip(batched, lengths))]
+    got = decode_batch(steps)
+    for s, rows, a in zip(steps, got, alone):
+        want = a.verify(s.token_ids) if isinstance(s, VerifyStep) else a.decode(s.token_id)
+        assert torch.equal(rows, want)
+    assert batched[1].pending is not None and batched[1].pending.index == 0
+    for b, a in zip(batched, alone):
+        _same_state(b, a)  # pending commits landed
