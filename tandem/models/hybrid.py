@@ -783,8 +783,8 @@ class HybridModel:
         for b in blocks:
             first.append(first[-1] + len(b))
         if ragged.decode_rows:
-            rows = self._linear(x[ragged.decode_index], "lm_head.weight").float()
-            for row, (b, _) in zip(rows, (ragged.rows[r] for r in ragged.decode_rows)):
+            heads = self._linear(x[ragged.decode_index], "lm_head.weight").float()
+            for row, (b, _) in zip(heads, (ragged.rows[r] for r in ragged.decode_rows)):
                 logits[b] = row[None]
         # the verify rows' head a group of whole blocks at a time, each block's logits a view
         # of its group's result (no copy of rows x vocab floats)
@@ -995,15 +995,15 @@ class _Ragged:
         waves: dict[int, list[int]] = {}
         for r, (_, j) in enumerate(self.rows):
             waves.setdefault(j, []).append(r)
-        self.waves = [(rows, torch.tensor(rows, dtype=torch.long, device=device))
-                      for _, rows in sorted(waves.items())]
+        self.waves = [(wave, torch.tensor(wave, dtype=torch.long, device=device))
+                      for _, wave in sorted(waves.items())]
 
     def run(self, fn, name: str, slot: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``fn(*rows of inputs, states)`` wave by wave; its outputs at their rows."""
         out = None
-        for rows, idx in self.waves:
+        for wave, idx in self.waves:
             states = []
-            for r in rows:
+            for r in wave:
                 b, j = self.rows[r]
                 work = self.work[b]
                 if work is None:
