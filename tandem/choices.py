@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tandem.engine import CHUNK, DecodeStep, Engine, GenerationResult, SamplingParams, Step, \
-    decode_batch
+    VerifyStep, decode_batch
 from tandem.models.rows import release_rows
 
 
@@ -50,7 +50,7 @@ class DecodeBatch:
     """Several choices' decode steps of one request, forwarded together in one batched step:
     sent back their logits in order (``decode_batch``)."""
 
-    steps: tuple[DecodeStep, ...]
+    steps: tuple[DecodeStep | VerifyStep, ...]
 
 
 def fork(engine: Engine, window: int) -> Engine:
@@ -152,12 +152,13 @@ def _never_ran(first: GenerationResult) -> GenerationResult:
                             prefill_ms=first.prefill_ms, decode_ms=0.0)
 
 
-def decode_steps(need: DecodeStep | DecodeBatch) -> Sequence[DecodeStep]:
-    """A run's decode steps: one, or a request's choices'."""
+def decode_steps(need: DecodeStep | VerifyStep | DecodeBatch
+                 ) -> Sequence[DecodeStep | VerifyStep]:
+    """A run's decode steps (a verify block among them): one, or a request's choices'."""
     return need.steps if isinstance(need, DecodeBatch) else (need,)
 
 
-def sent(need: DecodeStep | DecodeBatch, rows: Sequence[torch.Tensor]) -> Any:
+def sent(need: DecodeStep | VerifyStep | DecodeBatch, rows: Sequence[torch.Tensor]) -> Any:
     """What a run waiting on ``need`` is sent back: its logits, or its choices' in order."""
     return list(rows) if isinstance(need, DecodeBatch) else rows[0]
 
@@ -173,6 +174,8 @@ def drive(steps: Generator[Any, Any, Any]) -> Any:
                 value = decode_batch(step.steps)
             elif isinstance(step, DecodeStep):
                 value = step.engine.decode(step.token_id)
+            elif isinstance(step, VerifyStep):
+                value = step.engine.verify(step.token_ids)
             else:
                 value = None
     except StopIteration as done:

@@ -290,17 +290,32 @@ class DecodeStep:
     token_id: int
 
 
-Step = Chunk | DecodeStep
+@dataclass(frozen=True)
+class VerifyStep:
+    """A generation asks for a verify block (the last sampled token and its drafts) to be
+    forwarded on ``engine`` and is sent every position's logits ``[n, vocab]``, the block left
+    pending (``Engine.verify``; ``decode_batch`` runs it beside other sequences' steps)."""
+
+    engine: "Engine"
+    token_ids: tuple[int, ...]
+
+
+Step = Chunk | DecodeStep | VerifyStep
 
 
 def run_steps(steps: Generator[Step, torch.Tensor | None, "GenerationResult"]):
-    """Drive a generator of steps alone: each decode step forwarded on its own engine."""
+    """Drive a generator of steps alone: each decode step and verify block forwarded on its
+    own engine."""
     value = None
     try:
         while True:
             step = steps.send(value)
-            value = (step.engine.decode(step.token_id) if isinstance(step, DecodeStep)
-                     else None)
+            if isinstance(step, DecodeStep):
+                value = step.engine.decode(step.token_id)
+            elif isinstance(step, VerifyStep):
+                value = step.engine.verify(step.token_ids)
+            else:
+                value = None
     except StopIteration as done:
         return done.value
 
@@ -322,18 +337,24 @@ def _stoppable(steps: Generator[Step, Any, torch.Tensor], stop: Callable[[], boo
         return done.value
 
 
-def decode_batch(steps: Sequence[DecodeStep]) -> list[torch.Tensor]:
-    """Forward the decode steps of several sequences over one model as one batched step
-    (``Model.forward_batch``: the weights read once; a sequence's logits are the bits it gets
-    alone). Each step's logits ``[vocab]``, in order. A step whose engine cannot take its token
-    (its window is full) raises before any row is written."""
+def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]:
+    """Forward the decode steps and verify blocks of several sequences over one model as one
+    batched step (``Model.forward_batch``, with a verify block among them
+    ``forward_ragged``: the weights read once; a sequence's logits are the bits it gets
+    alone). Each step's logits in order: ``[vocab]`` for a decode, ``[n, vocab]`` for a
+    verify block (left pending, as ``Engine.verify`` leaves it). A step whose engine cannot
+    take its tokens (its window is full) raises before any row is written."""
     if len(steps) == 1:
-        return [steps[0].engine.decode(steps[0].token_id)]
+        step = steps[0]
+        return [step.engine.verify(step.token_ids) if isinstance(step, VerifyStep)
+                else step.engine.decode(step.token_id)]
     model = steps[0].engine.model
     if any(s.engine.model is not model for s in steps):
         raise ValueError("a batched decode step runs over one model")
     if len({id(s.engine) for s in steps}) != len(steps):
         raise ValueError("one sequence twice in a batched decode step")
+    if any(isinstance(s, VerifyStep) for s in steps):
+        return _ragged_batch(model, steps)
     positions = [s.engine._decode_position() for s in steps]
     offsets = [s.engine.rope_delta for s in steps]
     with torch.inference_mode():
@@ -343,6 +364,47 @@ def decode_batch(steps: Sequence[DecodeStep]) -> list[torch.Tensor]:
     for s, pos in zip(steps, positions):
         s.engine._decoded(s.token_id, pos)
     return list(logits)
+
+
+def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]:
+    """decode_batch with a verify block in it: one forward_ragged, or, for a model without
+    one, its decodes as one forward_batch and each block's forward_verify alone."""
+    blocks = [list(s.token_ids) if isinstance(s, VerifyStep) else [int(s.token_id)]
+              for s in steps]
+    positions = [s.engine._verify_position(len(b)) if isinstance(s, VerifyStep)
+                 else s.engine._decode_position() for s, b in zip(steps, blocks)]
+    offsets = [s.engine.rope_delta for s in steps]
+    ragged = getattr(model, "forward_ragged", None)
+    with torch.inference_mode():
+        if ragged is not None:
+            logits, sections = ragged([s.engine.state for s in steps], blocks, positions,
+                                      verify=[isinstance(s, VerifyStep) for s in steps],
+                                      **({"rope_offsets": offsets} if any(offsets) else {}))
+        else:
+            logits, sections = [None] * len(steps), [None] * len(steps)
+            decodes = [i for i, s in enumerate(steps) if isinstance(s, DecodeStep)]
+            if decodes:
+                rows = model.forward_batch([steps[i].engine.state for i in decodes],
+                                           [blocks[i][0] for i in decodes],
+                                           [positions[i] for i in decodes],
+                                           **({"rope_offsets": [offsets[i] for i in decodes]}
+                                              if any(offsets) else {}))
+                for i, row in zip(decodes, rows):
+                    logits[i] = row[None]
+            for i, s in enumerate(steps):
+                if isinstance(s, VerifyStep):
+                    logits[i], sections[i] = model.forward_verify(
+                        s.engine.state, torch.tensor(blocks[i], dtype=torch.long),
+                        positions[i], **({"rope_offset": offsets[i]} if offsets[i] else {}))
+    out = []
+    for s, b, pos, rows, kept in zip(steps, blocks, positions, logits, sections):
+        if isinstance(s, VerifyStep):
+            s.engine._verified(b, pos, kept)
+            out.append(rows)
+        else:
+            s.engine._decoded(b[0], pos)
+            out.append(rows[0])
+    return out
 
 
 class Engine:
@@ -560,19 +622,23 @@ class Engine:
         """Forward a verify block (the last sampled token and the drafts) in one forward; every
         position's logits ``[n, vocab]``. The rows of the whole block are written and the commit
         is left pending at its last position until ``accept``, the next forward or ``settle``."""
+        # the path a block takes in a batch, at B = 1: its bits alone are those in any batch
+        return _ragged_batch(self.model, [VerifyStep(self, tuple(token_ids))])[0]
+
+    def _verify_position(self, n: int) -> int:
+        """Before a verify block of ``n`` tokens: the pending commit landed, its first row."""
         self.settle()
-        pos, n = self.length, len(token_ids)
+        pos = self.length
         if pos + n > self.window:
             raise ContextOverflow(pos + n, self.window)
-        with torch.inference_mode():
-            logits, steps = self.model.forward_verify(
-                self.state, torch.tensor(list(token_ids), dtype=torch.long), pos,
-                **({"rope_offset": self.rope_delta} if self.rope_delta else {}))
-        self.pending = PendingCommit(pos, steps, n - 1, self.taint)
+        return pos
+
+    def _verified(self, token_ids: Sequence[int], pos: int,
+                  steps: dict[str, torch.Tensor]) -> None:
+        self.pending = PendingCommit(pos, steps, len(token_ids) - 1, self.taint)
         self.token_ids.extend(int(t) for t in token_ids)
         if self.taint is None:
             self.taint = pos
-        return logits
 
     def accept(self, count: int) -> None:
         """Keep the pending block's first ``count + 1`` positions (its first token and
@@ -625,8 +691,11 @@ class Engine:
         With ``params.logprobs``, ``on_logprobs(entry)`` sees each emitted token's entry just
         before ``on_token`` sees the token; the entry comes from the logits of the position
         that produced the token (a verify block's row for a draft it accepted), so speculation
-        reports plain decoding's logprobs up to the verify forward's rounding (its arithmetic
-        is not decode's: about 1e-5 apart on the test models). With ``params.prompt_logprobs``,
+        reports plain decoding's logprobs up to the verify forward's rounding (the hybrid's
+        block runs decode's arithmetic but for the head's matmul: about 1e-6 apart on the test
+        models; the third architecture's about 1e-5). A verify block is a `VerifyStep`, sent
+        back its logits as a decode step is (batched beside other sequences' steps: the same
+        bits as alone). With ``params.prompt_logprobs``,
         ``on_prompt_logprobs(entries)`` runs once after the prefill, before the first token.
         ``params.max_tokens`` 0 (echo without generation: a prompt's log-likelihood) forwards
         the prompt and samples nothing: no token, no draw, no forced token asked for, nothing
@@ -765,7 +834,7 @@ class Engine:
                 token = target(logits, out)
                 entry = scored(logits, token)
                 continue
-            block = self.verify([token] + drafts)
+            block = yield VerifyStep(self, tuple([token] + drafts))
             drafted += len(drafts)
             count, token = 0, None
             for i, proposal in enumerate(drafts):

@@ -103,6 +103,7 @@ from tandem.cache.store import StateStore
 from tandem.choices import Choices, DecodeBatch, choice_params, decode_steps, sent
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
+from tandem.engine import VerifyStep
 from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
 from tandem.models.image_keys import has_keys, is_key, text_runs
@@ -1044,7 +1045,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 ran = True
                 break
         decoding = [run for run in runs.values()
-                    if isinstance(run.need, (DecodeStep, DecodeBatch))]
+                    if isinstance(run.need, (DecodeStep, VerifyStep, DecodeBatch))]
         if decoding:
             ran = True
             self._decode(decoding)

@@ -119,7 +119,11 @@ class Model(Protocol):
                        start: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """A speculative verify block: write the rows of every position, leave the sections as
         they were, and return every position's logits ``[n, vocab]`` fp32 and, for each section,
-        its value after every position ``[n, *section.shape]`` (the engine lands one)."""
+        its value after every position ``[n, *section.shape]`` (the engine lands one).
+
+        A model may also have ``forward_ragged`` (HybridModel's): decodes and verify blocks of
+        several sequences in one forward; without it the engine batches the decodes and runs
+        each block here, alone."""
         ...
 
     def cost(self, window: int) -> Cost: ...

@@ -713,7 +713,6 @@ class HybridModel:
         the pad row's conv, recurrence and attention outputs are zeros (it has no state), and
         its results are dropped. A row's bits at BLOCK rows are its own whatever the other row
         holds, so the lone sequence's logits are those it gets in any batch."""
-        c, k = self.config, self._k
         n = len(states)
         embed = self.w["embed_tokens.weight"]
         if n == 1 and 0 <= token_ids[0] < embed.shape[0]:
@@ -723,9 +722,114 @@ class HybridModel:
         else:
             ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
             x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device), embed)
-        rows = x.shape[0]
         turns = positions if rope_offsets is None else [p + o for p, o in
                                                           zip(positions, rope_offsets)]
+        # every sequence's sections and rows by layer slot, viewed once a step
+        tails = [s.sections["gdn.conv"].unbind(0) for s in states]
+        recur = [s.sections["gdn.S"].unbind(0) for s in states]
+        keys = [s.views["K"].tensor for s in states]
+        values = [s.views["V"].tensor for s in states]
+        x = self._step_layers(x, n, turns, positions, keys, values, tails, recur, None)
+        x = _rms_rows(x, self._gain["norm.weight"], self._eps)
+        logits = self._linear(x, "lm_head.weight")
+        logits = logits if x.shape[0] == n else logits[:n]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    def forward_ragged(self, states: list[ModelState], blocks: list[list[int]],
+                       positions: list[int], rope_offsets: list[int] | None = None,
+                       verify: list[bool] | None = None
+                       ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor] | None]]:
+        """One step over a ragged batch: sequence b forwards ``blocks[b]`` at positions
+        ``positions[b]...``: one token (a decode: its row written, its sections advanced, as
+        forward_batch) or a verify block of several (every row written, the sections in place
+        left as they were, and each section's value after every position returned, as
+        forward_verify; ``verify[b]`` says which, by default a block of more than one token).
+        Returns each sequence's fp32 logits ``[len(blocks[b]), vocab]`` and its steps (None
+        for a decode).
+
+        Every projection and MLP is one rows_linear over all the batch's rows (the weights read
+        once a step for every sequence, decodes and verify blocks together). A verify block's
+        row runs the decode step's own arithmetic at its position: its conv and recurrent step
+        on the state after the row before it (a copy kept per position: the steps), its
+        attention over its sequence's keys up to itself. So a block's rows are, up to the head,
+        the bits decoding its tokens one by one gives, and its steps are the sections those
+        decodes leave. The head of the decode rows is rows_linear's (forward_batch's bits);
+        that of the verify rows one ``torch.mm(W, X^T)`` for up to VERIFY_HEAD_ROWS of them,
+        which reads the vocabulary matrix once for any number of rows and gives a row the
+        same bits for every M from 2 to 39 on every head shape measured (248,320 x 64, 256 and
+        1,024, fp32, 2 threads) where rows_linear reads it once a pair. A sequence's logits
+        and steps are therefore the same bits alone (Engine.verify runs this at B = 1) and at
+        any place of any batch. Batches of decodes only go to forward_batch: the same bits."""
+        verify = verify or [len(b) > 1 for b in blocks]
+        if any(not b or (len(b) > 1 and not v) for b, v in zip(blocks, verify)):
+            raise ValueError("a decode forwards one token, a verify block one or more")
+        if not any(verify):
+            logits = self.forward_batch(states, [b[0] for b in blocks], positions,
+                                        rope_offsets=rope_offsets)
+            return [row[None] for row in logits], [None] * len(blocks)
+        ragged = _Ragged(states, blocks, verify, self.device)
+        ids = [t for b in blocks for t in b]
+        offsets = rope_offsets or [0] * len(blocks)
+        at = [p + j for p, b in zip(positions, blocks) for j in range(len(b))]
+        turns = [p + o + j for p, o, b in zip(positions, offsets, blocks) for j in range(len(b))]
+        keys = [s.views["K"].tensor for s, b in zip(states, blocks) for _ in b]
+        values = [s.views["V"].tensor for s, b in zip(states, blocks) for _ in b]
+        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device),
+                        self.w["embed_tokens.weight"])
+        x = self._step_layers(x, len(ids), turns, at, keys, values, None, None, ragged)
+        x = _rms_rows(x, self._gain["norm.weight"], self._eps)
+        logits: list[torch.Tensor | None] = [None] * len(blocks)
+        first = [0]
+        for b in blocks:
+            first.append(first[-1] + len(b))
+        if ragged.decode_rows:
+            heads = self._linear(x[ragged.decode_index], "lm_head.weight").float()
+            for row, (b, _) in zip(heads, (ragged.rows[r] for r in ragged.decode_rows)):
+                logits[b] = row[None]
+        # the verify rows' head a group of whole blocks at a time, each block's logits a view
+        # of its group's result (no copy of rows x vocab floats)
+        group: list[int] = []
+        for b in [b for b, v in enumerate(verify) if v] + [None]:
+            if b is None or (group and sum(len(blocks[g]) for g in group) + len(blocks[b])
+                             > VERIFY_HEAD_ROWS):
+                if group:
+                    idx = torch.cat([torch.arange(first[g], first[g + 1]) for g in group])
+                    res = self._verify_head(x[idx.to(self.device)])
+                    at = 0
+                    for g in group:
+                        logits[g] = res[at:at + len(blocks[g])]
+                        at += len(blocks[g])
+                group = []
+            if b is not None:
+                group.append(b)
+        return logits, ragged.steps()
+
+    def _verify_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits of verify rows ``[M, vocab]`` fp32 (a transposed view): torch.mm(W, X^T)
+        over at most VERIFY_HEAD_ROWS rows a call and at least 2 (a lone row twice, a last
+        group reaching back), every call in the class that gives a row its own bits."""
+        head, m = self.w["lm_head.weight"], x.shape[0]
+        if m == 1:
+            return torch.mm(head, x.expand(2, -1).transpose(0, 1))[:, :1].transpose(0, 1).float()
+        if m <= VERIFY_HEAD_ROWS:
+            return torch.mm(head, x.transpose(0, 1)).transpose(0, 1).float()
+        parts = []
+        for a in range(0, m, VERIFY_HEAD_ROWS):
+            s = min(a, m - 2)
+            part = torch.mm(head, x[s:a + VERIFY_HEAD_ROWS].transpose(0, 1)).transpose(0, 1)
+            parts.append(part[a - s:])
+        return torch.cat(parts).float()
+
+    def _step_layers(self, x: torch.Tensor, n: int, turns: list[int], positions: list[int],
+                     keys: list[torch.Tensor], values: list[torch.Tensor],
+                     tails: list | None, recur: list | None,
+                     ragged: "_Ragged | None") -> torch.Tensor:
+        """The layers of a step over ``n`` rows (x may carry a pad row past them): row r turns
+        at ``turns[r]`` and writes its K/V row at ``positions[r]`` of ``keys[r]``/``values[r]``.
+        The GDN layers run on ``tails``/``recur`` (a sequence a row, forward_batch) or on
+        ``ragged``'s per-row states (forward_ragged)."""
+        c, k = self.config, self._k
+        rows = x.shape[0]
         pos = torch.tensor(turns, dtype=torch.float32, device=self.device)
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -741,17 +845,15 @@ class HybridModel:
         half = c.rotary_dim // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        # every sequence's sections and rows by layer slot, viewed once a step
-        tails = [s.sections["gdn.conv"].unbind(0) for s in states]
-        recur = [s.sections["gdn.S"].unbind(0) for s in states]
-        keys = [s.views["K"].tensor for s in states]
-        values = [s.views["V"].tensor for s in states]
         for i, kind in enumerate(c.layer_types):
             p = k[i]
             h = _rms_rows(x, self._gain[p + "input_layernorm.weight"], self._eps)
             if kind == "linear_attention":
                 slot = self._slot[i]
-                h = self._gdn_rows(i, h, [t[slot] for t in tails], [t[slot] for t in recur])
+                if ragged is None:
+                    h = self._gdn_rows(i, h, [t[slot] for t in tails], [t[slot] for t in recur])
+                else:
+                    h = self._gdn_rows(i, h, None, None, ragged)
             else:
                 h = self._attention_rows(i, h, keys, values, positions, cos, sin)
             x = x + h
@@ -763,13 +865,11 @@ class HybridModel:
                 gate, up = self._project(p + "mlp.gate_up", h)
                 h = self._linear(each_row(F.silu, gate) * up, p + "mlp.down_proj.weight")
             x = x + h
-        x = _rms_rows(x, self._gain["norm.weight"], self._eps)
-        logits = self._linear(x, "lm_head.weight")
-        logits = logits if rows == n else logits[:n]
-        return logits if logits.dtype == torch.float32 else logits.float()
+        return x
 
-    def _gdn_rows(self, i: int, h: torch.Tensor, tails: list[torch.Tensor],
-                  recur: list[torch.Tensor]) -> torch.Tensor:
+    def _gdn_rows(self, i: int, h: torch.Tensor, tails: list[torch.Tensor] | None,
+                  recur: list[torch.Tensor] | None,
+                  ragged: "_Ragged | None" = None) -> torch.Tensor:
         c, w, p, slot, hk, hv, dk, dv = self._gdn_dims(i)
         n = h.shape[0]
         if c.model_type == "qwen3_next":
@@ -782,7 +882,12 @@ class HybridModel:
             b, a = b.reshape(n, hv), a.reshape(n, hv)
         else:
             a, b, mixed, z = self._project(p + "in_proj", h)
-        mixed = kernels.causal_conv1d_rows(mixed, tails, self._gain[p + "conv1d.weight"])
+        conv_w = self._gain[p + "conv1d.weight"]
+        if ragged is None:
+            mixed = kernels.causal_conv1d_rows(mixed, tails, conv_w)
+        else:
+            mixed = ragged.run(lambda x, s: kernels.causal_conv1d_rows(x, s, conv_w),
+                               "gdn.conv", slot, (mixed,))
         if mixed.dtype != torch.float32:
             mixed = mixed.float()
         kd = c.key_dim
@@ -804,7 +909,11 @@ class HybridModel:
         # add reads a's rows where they lie
         decay = each_row(torch.exp, neg_a * each_row(F.softplus, (a if a.dtype == torch.float32
                                                                   else a.float()) + dt_bias))
-        o = kernels.recurrent_gated_delta_rows(q, k, v, decay, beta, recur)
+        if ragged is None:
+            o = kernels.recurrent_gated_delta_rows(q, k, v, decay, beta, recur)
+        else:
+            o = ragged.run(kernels.recurrent_gated_delta_rows, "gdn.S", slot,
+                           (q, k, v, decay, beta))
         # gated_rms_norm, its silu a row at a time
         of = o if self.dtype == torch.float32 else o.to(self.dtype).float()
         of = of * torch.rsqrt(_mean_last(of * of).add_(self._eps))
@@ -856,6 +965,61 @@ class HybridModel:
         out = out.view(n, nh * hd) * each_row(torch.sigmoid, gate)
         out = self._linear(out, p + "o_proj.weight")
         return out + w[p + "o_proj.bias"] if c.attention_bias else out
+
+
+# The most verify rows one head call takes (torch.mm(W, X^T) gave a row the same bits for every
+# M from 2 to 39 measured; past it the call splits, a last group reaching back to 2 rows).
+VERIFY_HEAD_ROWS = 32
+
+
+class _Ragged:
+    """A ragged step's rows and states: the rows of sequence b lie together, in order, a decode
+    one row and a verify block one a position. The per-sequence kernels (the conv, the
+    recurrent step) run in waves, wave t taking every sequence's row t, so that a block's row
+    t runs on the state its row t - 1 left: a decode on its sections in place (advanced), a
+    verify row on ``work[b][name][t]``, a copy of the state before it, kept (the steps)."""
+
+    def __init__(self, states: list[ModelState], blocks: list[list[int]], verify: list[bool],
+                 device):
+        self.sections = [{name: s.sections[name].unbind(0) for name in ("gdn.conv", "gdn.S")}
+                         for s in states]
+        self.work: list[dict[str, torch.Tensor] | None] = [
+            {name: s.sections[name].new_empty((len(b),) + tuple(s.sections[name].shape))
+             for name in ("gdn.conv", "gdn.S")} if v else None
+            for s, b, v in zip(states, blocks, verify)]
+        self.rows: list[tuple[int, int]] = [(b, j) for b, blk in enumerate(blocks)
+                                            for j in range(len(blk))]
+        self.decode_rows = [r for r, (b, _) in enumerate(self.rows) if self.work[b] is None]
+        self.verify_rows = [r for r, (b, _) in enumerate(self.rows) if self.work[b] is not None]
+        self.decode_index = torch.tensor(self.decode_rows, dtype=torch.long, device=device)
+        waves: dict[int, list[int]] = {}
+        for r, (_, j) in enumerate(self.rows):
+            waves.setdefault(j, []).append(r)
+        self.waves = [(wave, torch.tensor(wave, dtype=torch.long, device=device))
+                      for _, wave in sorted(waves.items())]
+
+    def run(self, fn, name: str, slot: int, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``fn(*rows of inputs, states)`` wave by wave; its outputs at their rows."""
+        out = None
+        for wave, idx in self.waves:
+            states = []
+            for r in wave:
+                b, j = self.rows[r]
+                work = self.work[b]
+                if work is None:
+                    states.append(self.sections[b][name][slot])
+                    continue
+                dst = work[name][j, slot]
+                dst.copy_(self.sections[b][name][slot] if j == 0 else work[name][j - 1, slot])
+                states.append(dst)
+            got = fn(*(t[idx] for t in inputs), states)
+            if out is None:
+                out = got.new_empty((len(self.rows),) + tuple(got.shape[1:]))
+            out[idx] = got
+        return out
+
+    def steps(self) -> list[dict[str, torch.Tensor] | None]:
+        return list(self.work)
 
 
 _SCALARS: dict[float, torch.Tensor] = {}

@@ -7,6 +7,7 @@ The reference is a server with the caches off, the conversations interleaved so 
 engine never extends the rows in place: each of its prompts runs from token 0."""
 
 import asyncio
+from pathlib import Path
 
 import msgspec
 
@@ -321,3 +322,55 @@ async def test_a_stream_that_leaves_mid_batch_costs_the_one_beside_it_nothing(
         assert _cache(want_again) == _cache(again) | {"slot": 0}
     assert got.choices[0].text == want.choices[0].text
     assert again.choices[0].text == want_again.choices[0].text
+
+
+
+async def test_four_conversations_at_once_with_speculation_answer_as_each_alone(
+        small_loaded, make_config, serve, sdk, monkeypatch):
+    """Four conversations sent together with speculation on, each drafted from the suffix
+    store its earlier answer wrote: their verify blocks run in the batched step beside the
+    others' decode steps and blocks, and each answer's tokens and logprobs are the bits of
+    the same prompt sent alone after the same history (a block's logits are its own in any
+    batch), its tokens those of its earlier answer (greedy: speculation writes the target's)."""
+    import aiohttp
+
+    from tandem.actors import engine_actor
+    from tandem.engine import VerifyStep
+    from test_speculation_http import indexed
+
+    kinds: list[list[bool]] = []
+    batch = engine_actor.decode_batch
+
+    def recording(steps):
+        kinds.append([isinstance(s, VerifyStep) for s in steps])
+        return batch(steps)
+
+    monkeypatch.setattr(engine_actor, "decode_batch", recording)
+    config = msgspec.structs.replace(make_config(window=4096),
+                                     speculation=SpeculationConfig(speculation="lookup"))
+    prompts = [SYSTEM + f"Conversation {i}. " + _words(60 + i, 60) for i in range(4)]
+
+    def ask(client, prompt):
+        return client.completions.create(model="small", prompt=prompt, max_tokens=24,
+                                         temperature=0, logprobs=2)
+
+    async def run(home, sent):
+        """The four prompts one by one (the store learns their answers), then ``sent``
+        together."""
+        cfg = msgspec.structs.replace(config, home=str(home))
+        async with serve(build_app(cfg, small_loaded)) as server, aiohttp.ClientSession() as s:
+            client = sdk(server)
+            first = [await ask(client, p) for p in prompts]
+            await indexed(s, f"http://127.0.0.1:{server.port}")
+            return first, await asyncio.gather(*(ask(client, prompts[i]) for i in sent))
+
+    home = Path(config.home)
+    first, together = await run(home / "together", range(4))
+    assert any(any(k) and len(k) > 1 for k in kinds), "no verify block ran in a batch"
+    for i, got in enumerate(together):
+        assert got.usage.model_extra["tandem"]["speculation"]["drafted"] > 0, i
+        _, (alone,) = await run(home / f"alone{i}", [i])
+        got, want = got.choices[0], alone.choices[0]
+        assert got.text == want.text == first[i].choices[0].text, i
+        assert got.logprobs.token_logprobs == want.logprobs.token_logprobs, i
+        assert got.logprobs.top_logprobs == want.logprobs.top_logprobs, i
