@@ -65,6 +65,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import math
 import os
 import shutil
 import threading
@@ -83,7 +84,7 @@ import torch
 
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.namespace import Namespace
-from tandem.devices import host_clone
+from tandem.devices import host_clone, staging_pinned
 from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, open_folder,
                               write_atomic_at,
                               round_up)
@@ -302,7 +303,7 @@ class RestoreReport:
     nbytes_read: int
     anchors: dict[int, SectionsCopy]  # every grid anchor, read and checked
     end: SpillEnd | None  # the end anchor, read and checked (its sections a copy)
-    ms: dict[str, float]  # lock, read, decode, sums, copy, anchors, total
+    ms: dict[str, float]  # lock, staging, read, read_wait, decode, sums, copy, anchors, total
 
 
 class SpillOffer(msgspec.Struct, frozen=True):
@@ -411,6 +412,14 @@ class SessionSpill:
         self.overlap = overlap
         self._device_calls: Callable[[], ContextManager] = contextlib.nullcontext  # a save's
         self._stages = [aligned(0, pinned=False), aligned(0, pinned=False)]  # encoded bytes
+        # A restore's buffers, grown on the caller's thread before its first read and reused
+        # (under io_lock, one restore at a time): the file's stored bytes (one: the reads run
+        # one after another, and a file's bytes are done with once its parts are decompressed)
+        # and its parts' planes, two (file i's, which the caller joins, and file i+1's, which
+        # ``_io`` decompresses: file i+2 is submitted only after file i is checked, and a check
+        # reads its sums back, past the join's copy from pinned planes).
+        self._read_buf = aligned(0, pinned=False)
+        self._planes = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
 
     def close(self) -> None:
@@ -1015,29 +1024,34 @@ class SessionSpill:
                 _check_parts(b, [(v.dtype, _block_shape(v, b.stop - b.start)) for v in m.views])
             for f in m.anchors + ([m.end.file] if m.end is not None else []):
                 _check_parts(f, [(s.dtype, s.shape) for s in m.sections])
-            fd = open_folder(eid, dir_fd=self.root_fd, create=False)
             # The blocks, then the anchors and the end, in the manifest's order: file i+1 is
             # read and decompressed on ``_io`` while file i is joined, summed and copied here.
             files = todo + m.anchors + ([m.end.file] if m.end is not None else [])
+            self._grow_read_buffers(files, ms)
+            fd = open_folder(eid, dir_fd=self.root_fd, create=False)
             ahead: dict[int, Future] = {}
 
             def fetch(i: int) -> _Fetched:
                 if self.overlap and i + 1 < len(files):  # queued behind file i on _io
-                    ahead[i + 1] = self._io.submit(self._read_file, fd, files[i + 1])
+                    ahead[i + 1] = self._io.submit(self._read_file, fd, files[i + 1], i + 1)
                 t = time.perf_counter()
                 got = (ahead.pop(i).result() if i in ahead
-                       else self._read_file(fd, files[i]))
+                       else self._read_file(fd, files[i], i))
                 ms["read_wait"] += _ms(t)
                 return got
 
             try:
                 if self.overlap and files:
-                    ahead[0] = self._io.submit(self._read_file, fd, files[0])
+                    ahead[0] = self._io.submit(self._read_file, fd, files[0], 0)
                 view_list = list(state.views.values())
                 anchors: dict[int, SectionsCopy] = {}
                 end_copy: SpillEnd | None = None
                 t_anchors = time.perf_counter()
                 held: list[tuple[FileRecord, list[torch.Tensor]]] = []  # over rows in place
+                # Each view's block scratch, reused block after block (its rows are copied out
+                # before the next block is joined into it; on a device, in stream order); a
+                # held block gets its own.
+                reused: list[torch.Tensor | None] = [None] * len(view_list)
                 for i, f in enumerate(files):
                     if stop is not None and stop():
                         raise SpillStopped(f"stopped before file {i} of {len(files)}")
@@ -1046,11 +1060,12 @@ class SessionSpill:
                     ms["decode"] += got.decompress_ms
                     nbytes += f.file_nbytes
                     if i < len(todo):
-                        scratch = [torch.empty(_block_shape(lv, f.stop - f.start),
-                                               dtype=v.tensor.dtype, device=v.tensor.device)
-                                   for lv, v in zip(m.views, view_list)]
+                        hold = stop is not None and f.start < len(rows_in_place)
+                        scratch = [_scratch(reused, k, _block_shape(lv, f.stop - f.start),
+                                            v.tensor, fresh=hold)
+                                   for k, (lv, v) in enumerate(zip(m.views, view_list))]
                         self._check_file(f, got, scratch, ms)
-                        if stop is not None and f.start < len(rows_in_place):
+                        if hold:
                             held.append((f, scratch))
                             continue
                         t = time.perf_counter()
@@ -1096,11 +1111,26 @@ class SessionSpill:
                  **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
         return report
 
-    def _read_file(self, fd: int, rec: FileRecord) -> "_Fetched":
-        """Read ``rec`` whole and decompress each part on the host (on ``_io`` when the
-        restore overlaps); raise ``_Bad`` for a file of another size. A part that does not
-        decompress keeps its ``CodecError`` for ``_check_file``, so that the parts before it
-        are checked first, as they would be one by one."""
+    def _grow_read_buffers(self, files: list[FileRecord], ms: dict[str, float]) -> None:
+        """The read buffer to the largest file, the two planes' buffers to the largest file's
+        raw bytes; on the caller's thread (a pinned allocation is a CUDA call)."""
+        t = time.perf_counter()
+        read = max((f.file_nbytes for f in files), default=0)
+        raw = max((sum(p.header.raw_nbytes for p in f.parts) for f in files), default=0)
+        if self._read_buf.nbytes < read:
+            self._read_buf = aligned(read, pinned=False)  # frames: decoded on the host
+        for k, planes in enumerate(self._planes):
+            if planes.numel() < raw or planes.is_pinned() != staging_pinned():
+                self._planes[k] = torch.empty(raw, dtype=torch.uint8,
+                                              pin_memory=staging_pinned())
+        ms["staging"] = _ms(t)
+
+    def _read_file(self, fd: int, rec: FileRecord, i: int) -> "_Fetched":
+        """Read ``rec`` (the restore's file ``i``) whole and decompress each part on the host
+        into planes buffer ``i % 2`` (on ``_io`` when the restore overlaps); raise ``_Bad``
+        for a file of another size. A part that does not decompress keeps its ``CodecError``
+        for ``_check_file``, so that the parts before it are checked first, as they would be
+        one by one."""
         t = time.perf_counter()
         try:
             f = DirectFile.open_read(fd, rec.name, self.direct)
@@ -1109,20 +1139,23 @@ class SessionSpill:
         try:
             if f.size != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: {f.size} bytes, not {rec.file_nbytes}")
-            buf = aligned(rec.file_nbytes, pinned=False)  # frames: decoded on the host
+            buf = self._read_buf[:rec.file_nbytes]
             if rec.file_nbytes and f.pread_into(buf, 0) != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: cut")
         finally:
             f.close()
         read_ms = _ms(t)
         t = time.perf_counter()
+        planes, at = self._planes[i % 2], 0
         parts: list[torch.Tensor | CodecError] = []
         for part in rec.parts:
             data = memoryview(buf[part.offset:part.offset + part.header.nbytes])
+            n = part.header.raw_nbytes
             try:
-                parts.append(self.codec.decompress_into(data, part.header))
+                parts.append(self.codec.decompress_into(data, part.header, planes[at:at + n]))
             except CodecError as exc:
                 parts.append(exc)
+            at += n
         return _Fetched(parts, read_ms, _ms(t))
 
     def _check_file(self, rec: FileRecord, got: "_Fetched", outs: list[torch.Tensor],
@@ -1227,6 +1260,19 @@ def make_session_spill(config: Any, identity: Identity, grid: int, *,
                          budget_nbytes=int(s.session_spill_gb * GB), guard=guard)
     spill.open()
     return spill
+
+
+def _scratch(reused: list[torch.Tensor | None], k: int, shape: list[int], like: torch.Tensor,
+             fresh: bool) -> torch.Tensor:
+    """A contiguous block of ``shape`` beside ``like`` (its dtype and device): view ``k``'s
+    reused buffer, grown to the block, or a new one (``fresh``: a block held to the end)."""
+    numel = math.prod(shape)
+    if fresh:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    buf = reused[k]
+    if buf is None or buf.numel() < numel:
+        buf = reused[k] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
 
 
 def _ms(t: float) -> float:
