@@ -303,7 +303,10 @@ class RestoreReport:
     nbytes_read: int
     anchors: dict[int, SectionsCopy]  # every grid anchor, read and checked
     end: SpillEnd | None  # the end anchor, read and checked (its sections a copy)
-    ms: dict[str, float]  # lock, staging, read, read_wait, decode, sums, copy, anchors, total
+    # Where the time went, ms: lock, staging (growing the read buffers), read and decode (the
+    # files' reads and decompression, on ``_io`` when overlapped), read_wait (the caller's
+    # wait for them), join, sums, copy, anchors (the anchors' share), total.
+    ms: dict[str, float]
 
 
 class SpillOffer(msgspec.Struct, frozen=True):
@@ -1009,7 +1012,8 @@ class SessionSpill:
                 # the caller's window, not the entry: it stays for a state that holds it
                 raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
         in_place = common_prefix(rows_in_place, m.token_ids)
-        ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors", "read_wait"), 0.0)
+        ms = dict.fromkeys(("read", "decode", "join", "sums", "copy", "anchors", "read_wait"),
+                           0.0)
         ms["lock"] = lock_ms
         todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
         skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
@@ -1167,7 +1171,7 @@ class SessionSpill:
                 raise planes
             t = time.perf_counter()
             self.codec.join_into(planes, part.header, out)
-            ms["decode"] += _ms(t)
+            ms["join"] += _ms(t)
             t = time.perf_counter()
             got_sums = _pairs(host_sums(block_sums(out).unsqueeze(0)))[0]
             ms["sums"] += _ms(t)
