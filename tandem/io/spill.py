@@ -420,7 +420,8 @@ class SessionSpill:
         # one after another, and a file's bytes are done with once its parts are decompressed)
         # and its parts' planes, two (file i's, which the caller joins, and file i+1's, which
         # ``_io`` decompresses: file i+2 is submitted only after file i is checked, and a check
-        # reads its sums back, past the join's copy from pinned planes).
+        # reads its sums back, past the join's copy from pinned planes). Kept between
+        # restores: the largest file's stored bytes once and its raw bytes twice.
         self._read_buf = aligned(0, pinned=False)
         self._planes = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
