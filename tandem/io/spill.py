@@ -55,9 +55,10 @@ question (the spill writer asks the guard).
 
 Thread rule: the index is touched under ``self._lock``; one save or restore at a time
 (``io_lock``); ``offer`` may run beside them. A save or restore overlaps its own files on the
-spill's I/O thread (``_io``, closed by ``close``): a save writes file k while the caller
-encodes file k+1, a restore reads and decompresses file k+1 while the caller checks and copies
-file k; neither returns, nor fails, before ``_io`` is done with its folder.
+spill's I/O threads (``_io`` and the readers, closed by ``close``): a save writes file k on
+``_io`` while the caller encodes file k+1, a restore reads and decompresses files k+1 to k+d on
+the readers (``READ_AHEAD``) while the caller checks and copies file k; neither returns, nor
+fails, before those threads are done with its folder.
 """
 
 from __future__ import annotations
@@ -112,6 +113,14 @@ BUDGET_NBYTES = 64 * GB  # session_spill_gb
 TTL_S = 48 * 3600.0
 MIN_TOKENS = 16384  # session_spill_min_tokens: the caller's rule for an eviction's save
 MAX_MANIFEST_NBYTES = 256 << 20
+# A restore's read-ahead: up to READ_AHEAD files read and decompressed at once on the readers
+# (the disk's queue holds several small files' reads, whose latency is most of their time), as
+# long as their buffers stay within READ_AHEAD_NBYTES (at least one file ahead); buffers of up
+# to KEEP_NBYTES in all are kept for the next restore (larger ones go: their allocation is small
+# beside their bytes' transfer).
+READ_AHEAD = 4
+READ_AHEAD_NBYTES = 256 << 20
+KEEP_NBYTES = 64 << 20
 
 FileKind = Literal["blk", "anc", "end"]
 Refusal = Literal["missing", "layout", "sums", "codec", "io", "manifest", "tokens"]
@@ -304,7 +313,7 @@ class RestoreReport:
     anchors: dict[int, SectionsCopy]  # every grid anchor, read and checked
     end: SpillEnd | None  # the end anchor, read and checked (its sections a copy)
     # Where the time went, ms: lock, staging (growing the read buffers), read and decode (the
-    # files' reads and decompression, on ``_io`` when overlapped), read_wait (the caller's
+    # files' reads and decompression, on the readers when overlapped), read_wait (the caller's
     # wait for them), join, sums, copy, anchors (the anchors' share), total.
     ms: dict[str, float]
 
@@ -416,18 +425,18 @@ class SessionSpill:
         self._device_calls: Callable[[], ContextManager] = contextlib.nullcontext  # a save's
         self._stages = [aligned(0, pinned=False), aligned(0, pinned=False)]  # encoded bytes
         # A restore's buffers, grown on the caller's thread before its first read and reused
-        # (under io_lock, one restore at a time): the file's stored bytes (one: the reads run
-        # one after another, and a file's bytes are done with once its parts are decompressed)
-        # and its parts' planes, two (file i's, which the caller joins, and file i+1's, which
-        # ``_io`` decompresses: file i+2 is submitted only after file i is checked, and a check
-        # reads its sums back, past the join's copy from pinned planes). Kept between
-        # restores: the largest file's stored bytes once and its raw bytes twice.
-        self._read_buf = aligned(0, pinned=False)
-        self._planes = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        # (under io_lock, one restore at a time), in slots: file i is read into the stored
+        # bytes of slot i % S and decompressed into its planes, S = the files ahead + 1. File
+        # i+S is submitted only after file i is checked (the caller joined its planes, and a
+        # check reads its sums back, past the join's copy from pinned planes).
+        self._read_bufs: list[np.ndarray] = []
+        self._planes: list[torch.Tensor] = []
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="spill-io-read")
         self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         if self._own_codec:
             self.codec.close()
         if self.root_fd >= 0:
@@ -1029,25 +1038,34 @@ class SessionSpill:
                 _check_parts(b, [(v.dtype, _block_shape(v, b.stop - b.start)) for v in m.views])
             for f in m.anchors + ([m.end.file] if m.end is not None else []):
                 _check_parts(f, [(s.dtype, s.shape) for s in m.sections])
-            # The blocks, then the anchors and the end, in the manifest's order: file i+1 is
-            # read and decompressed on ``_io`` while file i is joined, summed and copied here.
+            # The blocks, then the anchors and the end, in the manifest's order: files i+1 to
+            # i+depth are read and decompressed on the readers while file i is joined, summed
+            # and copied here.
             files = todo + m.anchors + ([m.end.file] if m.end is not None else [])
-            self._grow_read_buffers(files, ms)
+            depth = self._grow_read_buffers(files, ms)
+            slots = depth + 1
             fd = open_folder(eid, dir_fd=self.root_fd, create=False)
             ahead: dict[int, Future] = {}
+            submitted = 0
+
+            def top_up(upto: int) -> None:
+                nonlocal submitted
+                while submitted < min(upto, len(files)):
+                    ahead[submitted] = self._readers.submit(
+                        self._read_file, fd, files[submitted], submitted % slots)
+                    submitted += 1
 
             def fetch(i: int) -> _Fetched:
-                if self.overlap and i + 1 < len(files):  # queued behind file i on _io
-                    ahead[i + 1] = self._io.submit(self._read_file, fd, files[i + 1], i + 1)
+                if depth:  # file i and the depth after it in flight: file i-1 is checked
+                    top_up(i + 1 + depth)
                 t = time.perf_counter()
                 got = (ahead.pop(i).result() if i in ahead
-                       else self._read_file(fd, files[i], i))
+                       else self._read_file(fd, files[i], 0))
                 ms["read_wait"] += _ms(t)
                 return got
 
             try:
-                if self.overlap and files:
-                    ahead[0] = self._io.submit(self._read_file, fd, files[0], 0)
+                top_up(depth)
                 view_list = list(state.views.values())
                 anchors: dict[int, SectionsCopy] = {}
                 end_copy: SpillEnd | None = None
@@ -1090,6 +1108,7 @@ class SessionSpill:
             finally:
                 wait_all(list(ahead.values()))  # no read of the folder outlives its descriptor
                 os.close(fd)
+                self._trim_read_buffers()
         except (_Bad, OSError, CodecError) as exc:
             reason: Refusal = exc.reason if isinstance(exc, _Bad) else (
                 "codec" if isinstance(exc, CodecError) else
@@ -1116,26 +1135,39 @@ class SessionSpill:
                  **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
         return report
 
-    def _grow_read_buffers(self, files: list[FileRecord], ms: dict[str, float]) -> None:
-        """The read buffer to the largest file, the two planes' buffers to the largest file's
-        raw bytes; on the caller's thread (a pinned allocation is a CUDA call)."""
+    def _grow_read_buffers(self, files: list[FileRecord], ms: dict[str, float]) -> int:
+        """The files ahead (0: serial) and a slot for each and the one checked: its stored
+        bytes to the largest file, its planes to the largest file's raw bytes; on the caller's
+        thread (a pinned allocation is a CUDA call)."""
         t = time.perf_counter()
         read = max((f.file_nbytes for f in files), default=0)
         raw = max((sum(p.header.raw_nbytes for p in f.parts) for f in files), default=0)
-        if self._read_buf.nbytes < read:
-            self._read_buf = aligned(read, pinned=False)  # frames: decoded on the host
-        for k, planes in enumerate(self._planes):
-            if planes.numel() < raw or planes.is_pinned() != staging_pinned():
-                self._planes[k] = torch.empty(raw, dtype=torch.uint8,
-                                              pin_memory=staging_pinned())
+        depth = (max(1, min(READ_AHEAD, READ_AHEAD_NBYTES // max(1, read + raw) - 1))
+                 if self.overlap else 0)
+        pinned = staging_pinned()
+        for k in range(depth + 1):
+            if k == len(self._read_bufs):
+                self._read_bufs.append(aligned(0, pinned=False))
+                self._planes.append(torch.empty(0, dtype=torch.uint8))
+            if self._read_bufs[k].nbytes < read:
+                self._read_bufs[k] = aligned(read, pinned=False)  # frames: decoded on the host
+            if self._planes[k].numel() < raw or self._planes[k].is_pinned() != pinned:
+                self._planes[k] = torch.empty(raw, dtype=torch.uint8, pin_memory=pinned)
         ms["staging"] = _ms(t)
+        return depth
 
-    def _read_file(self, fd: int, rec: FileRecord, i: int) -> "_Fetched":
-        """Read ``rec`` (the restore's file ``i``) whole and decompress each part on the host
-        into planes buffer ``i % 2`` (on ``_io`` when the restore overlaps); raise ``_Bad``
-        for a file of another size. A part that does not decompress keeps its ``CodecError``
-        for ``_check_file``, so that the parts before it are checked first, as they would be
-        one by one."""
+    def _trim_read_buffers(self) -> None:
+        """Keep the slots' buffers for the next restore only while they are small."""
+        kept = sum(b.nbytes for b in self._read_bufs) + sum(p.numel() for p in self._planes)
+        if kept > KEEP_NBYTES:
+            self._read_bufs, self._planes = [], []
+
+    def _read_file(self, fd: int, rec: FileRecord, slot: int) -> "_Fetched":
+        """Read ``rec`` whole into ``slot``'s stored bytes and decompress each part on the host
+        into its planes (on a reader when the restore overlaps); raise ``_Bad`` for a file of
+        another size. A part that does not decompress keeps its ``CodecError`` for
+        ``_check_file``, so that the parts before it are checked first, as they would be one
+        by one."""
         t = time.perf_counter()
         try:
             f = DirectFile.open_read(fd, rec.name, self.direct)
@@ -1144,14 +1176,14 @@ class SessionSpill:
         try:
             if f.size != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: {f.size} bytes, not {rec.file_nbytes}")
-            buf = self._read_buf[:rec.file_nbytes]
+            buf = self._read_bufs[slot][:rec.file_nbytes]
             if rec.file_nbytes and f.pread_into(buf, 0) != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: cut")
         finally:
             f.close()
         read_ms = _ms(t)
         t = time.perf_counter()
-        planes, at = self._planes[i % 2], 0
+        planes, at = self._planes[slot], 0
         parts: list[torch.Tensor | CodecError] = []
         for part in rec.parts:
             data = memoryview(buf[part.offset:part.offset + part.header.nbytes])
