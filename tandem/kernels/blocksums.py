@@ -16,8 +16,8 @@ block's first word, so equal blocks have equal sums wherever they lie in their t
 specification; the functions here run on the tensor's device: on a CUDA tensor the Triton kernel
 ``triton_spill.block_sums_of_bytes``, on a host tensor numpy over its bytes
 (``_host_sums_of_bytes``), elsewhere torch ops (``_torch_sums_of_bytes``, the limbs below), each
-held to the same reference. Sums are returned as int64 tensors holding the uint64 bit patterns (torch's uint64
-has too few ops), ``host_sums`` reads them back as numpy uint64 in one copy.
+held to the same reference. Sums are returned as int64 tensors holding the uint64 bit patterns
+(torch's uint64 has too few ops), ``host_sums`` reads them back as numpy uint64 in one copy.
 
 The torch path never relies on int64 overflow (its wrap-around is not defined for every device
 and reduction): a block's words are laid out as ``[R, C]`` (C = 4,096 words), so that with
