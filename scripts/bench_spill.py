@@ -25,8 +25,8 @@ prefill passes them: the rows and anchors the engine really wrote), then, in a f
 
 - the cold re-read: that prefill's time (what a conversation without its entry pays);
 - a ``SessionSpill`` save of the conversation (its rows, the newest 4 anchors and the end);
-- its restore into a fresh engine, overlapped (file k+1 read and decompressed while file k is
-  joined, summed and copied) and serial (``overlap=False``: each step in turn), best of
+- its restore into a fresh engine, overlapped (files k+1 to k+4 read and decompressed while file
+  k is joined, summed and copied) and serial (``overlap=False``: each step in turn), best of
   ``--repeats``, checked torch.equal to the engine's rows;
 - the raw read: one O_DIRECT read of a file of the entry's uncompressed bytes (rows, anchors and
   end as the engine holds them), best of ``--repeats``; the goal is a restore faster than it.

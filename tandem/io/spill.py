@@ -55,9 +55,10 @@ question (the spill writer asks the guard).
 
 Thread rule: the index is touched under ``self._lock``; one save or restore at a time
 (``io_lock``); ``offer`` may run beside them. A save or restore overlaps its own files on the
-spill's I/O thread (``_io``, closed by ``close``): a save writes file k while the caller
-encodes file k+1, a restore reads and decompresses file k+1 while the caller checks and copies
-file k; neither returns, nor fails, before ``_io`` is done with its folder.
+spill's I/O threads (``_io`` and the readers, closed by ``close``): a save writes file k on
+``_io`` while the caller encodes file k+1, a restore reads and decompresses files k+1 to k+d on
+the readers (``READ_AHEAD``) while the caller checks and copies file k; neither returns, nor
+fails, before those threads are done with its folder.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import math
 import os
 import shutil
 import threading
@@ -83,7 +85,7 @@ import torch
 
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.namespace import Namespace
-from tandem.devices import host_clone
+from tandem.devices import host_clone, staging_pinned
 from tandem.io.direct import (DirectFile, RefusedEntry, aligned, fsync_folder, open_folder,
                               write_atomic_at,
                               round_up)
@@ -111,6 +113,14 @@ BUDGET_NBYTES = 64 * GB  # session_spill_gb
 TTL_S = 48 * 3600.0
 MIN_TOKENS = 16384  # session_spill_min_tokens: the caller's rule for an eviction's save
 MAX_MANIFEST_NBYTES = 256 << 20
+# A restore's read-ahead: up to READ_AHEAD files read and decompressed at once on the readers
+# (the disk's queue holds several small files' reads, whose latency is most of their time), as
+# long as their buffers stay within READ_AHEAD_NBYTES (at least one file ahead); buffers of up
+# to KEEP_NBYTES in all are kept for the next restore (larger ones go: their allocation is small
+# beside their bytes' transfer).
+READ_AHEAD = 4
+READ_AHEAD_NBYTES = 256 << 20
+KEEP_NBYTES = 64 << 20
 
 FileKind = Literal["blk", "anc", "end"]
 Refusal = Literal["missing", "layout", "sums", "codec", "io", "manifest", "tokens"]
@@ -302,7 +312,10 @@ class RestoreReport:
     nbytes_read: int
     anchors: dict[int, SectionsCopy]  # every grid anchor, read and checked
     end: SpillEnd | None  # the end anchor, read and checked (its sections a copy)
-    ms: dict[str, float]  # lock, read, decode, sums, copy, anchors, total
+    # Where the time went, ms: lock, staging (growing the read buffers), read and decode (the
+    # files' reads and decompression, on the readers when overlapped), read_wait (the caller's
+    # wait for them), join, sums, copy, anchors (the anchors' share), total.
+    ms: dict[str, float]
 
 
 class SpillOffer(msgspec.Struct, frozen=True):
@@ -411,10 +424,19 @@ class SessionSpill:
         self.overlap = overlap
         self._device_calls: Callable[[], ContextManager] = contextlib.nullcontext  # a save's
         self._stages = [aligned(0, pinned=False), aligned(0, pinned=False)]  # encoded bytes
+        # A restore's buffers, grown on the caller's thread before its first read and reused
+        # (under io_lock, one restore at a time), in slots: file i is read into the stored
+        # bytes of slot i % S and decompressed into its planes, S = the files ahead + 1. File
+        # i+S is submitted only after file i is checked (the caller joined its planes, and a
+        # check reads its sums back, past the join's copy from pinned planes).
+        self._read_bufs: list[np.ndarray] = []
+        self._planes: list[torch.Tensor] = []
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="spill-io-read")
         self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
 
     def close(self) -> None:
         self._io.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         if self._own_codec:
             self.codec.close()
         if self.root_fd >= 0:
@@ -1000,7 +1022,8 @@ class SessionSpill:
                 # the caller's window, not the entry: it stays for a state that holds it
                 raise ValueError(f"view {name!r} holds fewer than the entry's {m.valid} rows")
         in_place = common_prefix(rows_in_place, m.token_ids)
-        ms = dict.fromkeys(("read", "decode", "sums", "copy", "anchors", "read_wait"), 0.0)
+        ms = dict.fromkeys(("read", "decode", "join", "sums", "copy", "anchors", "read_wait"),
+                           0.0)
         ms["lock"] = lock_ms
         todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
         skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
@@ -1015,29 +1038,43 @@ class SessionSpill:
                 _check_parts(b, [(v.dtype, _block_shape(v, b.stop - b.start)) for v in m.views])
             for f in m.anchors + ([m.end.file] if m.end is not None else []):
                 _check_parts(f, [(s.dtype, s.shape) for s in m.sections])
-            fd = open_folder(eid, dir_fd=self.root_fd, create=False)
-            # The blocks, then the anchors and the end, in the manifest's order: file i+1 is
-            # read and decompressed on ``_io`` while file i is joined, summed and copied here.
+            # The blocks, then the anchors and the end, in the manifest's order: files i+1 to
+            # i+depth are read and decompressed on the readers while file i is joined, summed
+            # and copied here.
             files = todo + m.anchors + ([m.end.file] if m.end is not None else [])
+            depth = self._grow_read_buffers(files, ms)
+            slots = depth + 1
+            fd = open_folder(eid, dir_fd=self.root_fd, create=False)
             ahead: dict[int, Future] = {}
+            submitted = 0
+
+            def top_up(upto: int) -> None:
+                nonlocal submitted
+                while submitted < min(upto, len(files)):
+                    ahead[submitted] = self._readers.submit(
+                        self._read_file, fd, files[submitted], submitted % slots)
+                    submitted += 1
 
             def fetch(i: int) -> _Fetched:
-                if self.overlap and i + 1 < len(files):  # queued behind file i on _io
-                    ahead[i + 1] = self._io.submit(self._read_file, fd, files[i + 1])
+                if depth:  # file i and the depth after it in flight: file i-1 is checked
+                    top_up(i + 1 + depth)
                 t = time.perf_counter()
                 got = (ahead.pop(i).result() if i in ahead
-                       else self._read_file(fd, files[i]))
+                       else self._read_file(fd, files[i], 0))
                 ms["read_wait"] += _ms(t)
                 return got
 
             try:
-                if self.overlap and files:
-                    ahead[0] = self._io.submit(self._read_file, fd, files[0])
+                top_up(depth)
                 view_list = list(state.views.values())
                 anchors: dict[int, SectionsCopy] = {}
                 end_copy: SpillEnd | None = None
                 t_anchors = time.perf_counter()
                 held: list[tuple[FileRecord, list[torch.Tensor]]] = []  # over rows in place
+                # Each view's block scratch, reused block after block (its rows are copied out
+                # before the next block is joined into it; on a device, in stream order); a
+                # held block gets its own.
+                reused: list[torch.Tensor | None] = [None] * len(view_list)
                 for i, f in enumerate(files):
                     if stop is not None and stop():
                         raise SpillStopped(f"stopped before file {i} of {len(files)}")
@@ -1046,16 +1083,17 @@ class SessionSpill:
                     ms["decode"] += got.decompress_ms
                     nbytes += f.file_nbytes
                     if i < len(todo):
-                        scratch = [torch.empty(_block_shape(lv, f.stop - f.start),
-                                               dtype=v.tensor.dtype, device=v.tensor.device)
-                                   for lv, v in zip(m.views, view_list)]
+                        hold = stop is not None and f.start < len(rows_in_place)
+                        scratch = [_scratch(reused, k, _block_shape(lv, f.stop - f.start),
+                                            v.tensor, fresh=hold)
+                                   for k, (lv, v) in enumerate(zip(m.views, view_list))]
                         self._check_file(f, got, scratch, ms)
-                        if stop is not None and f.start < len(rows_in_place):
+                        if hold:
                             held.append((f, scratch))
                             continue
                         t = time.perf_counter()
                         for v, s in zip(view_list, scratch):
-                            v.rows(f.start, f.stop).copy_(s)
+                            _copy(v.rows(f.start, f.stop), s)
                         ms["copy"] += _ms(t)
                         t_anchors = time.perf_counter()
                         continue
@@ -1070,6 +1108,7 @@ class SessionSpill:
             finally:
                 wait_all(list(ahead.values()))  # no read of the folder outlives its descriptor
                 os.close(fd)
+                self._trim_read_buffers()
         except (_Bad, OSError, CodecError) as exc:
             reason: Refusal = exc.reason if isinstance(exc, _Bad) else (
                 "codec" if isinstance(exc, CodecError) else
@@ -1080,12 +1119,12 @@ class SessionSpill:
         t = time.perf_counter()
         for f, scratch in held:  # every file checked: the rows in place may go now
             for v, s in zip(view_list, scratch):
-                v.rows(f.start, f.stop).copy_(s)
+                _copy(v.rows(f.start, f.stop), s)
         ms["copy"] += _ms(t)
         source = end_copy.sections if (m.end is not None and line == m.end.file.stop) \
             else anchors[line].tensors
         for name, t in state.sections.items():
-            t.copy_(source[name])
+            _copy(t, source[name])
         self._touch(eid, now)
         ms["total"] = _ms(t_all)
         taint = m.taint if m.taint is not None and m.taint < line else None
@@ -1096,11 +1135,39 @@ class SessionSpill:
                  **{f"{k}_ms": round(v, 2) for k, v in ms.items()})
         return report
 
-    def _read_file(self, fd: int, rec: FileRecord) -> "_Fetched":
-        """Read ``rec`` whole and decompress each part on the host (on ``_io`` when the
-        restore overlaps); raise ``_Bad`` for a file of another size. A part that does not
-        decompress keeps its ``CodecError`` for ``_check_file``, so that the parts before it
-        are checked first, as they would be one by one."""
+    def _grow_read_buffers(self, files: list[FileRecord], ms: dict[str, float]) -> int:
+        """The files ahead (0: serial) and a slot for each and the one checked: its stored
+        bytes to the largest file, its planes to the largest file's raw bytes; on the caller's
+        thread (a pinned allocation is a CUDA call)."""
+        t = time.perf_counter()
+        read = max((f.file_nbytes for f in files), default=0)
+        raw = max((sum(p.header.raw_nbytes for p in f.parts) for f in files), default=0)
+        depth = (max(1, min(READ_AHEAD, READ_AHEAD_NBYTES // max(1, read + raw) - 1))
+                 if self.overlap else 0)
+        pinned = staging_pinned()
+        for k in range(depth + 1):
+            if k == len(self._read_bufs):
+                self._read_bufs.append(aligned(0, pinned=False))
+                self._planes.append(torch.empty(0, dtype=torch.uint8))
+            if self._read_bufs[k].nbytes < read:
+                self._read_bufs[k] = aligned(read, pinned=False)  # frames: decoded on the host
+            if self._planes[k].numel() < raw or self._planes[k].is_pinned() != pinned:
+                self._planes[k] = torch.empty(raw, dtype=torch.uint8, pin_memory=pinned)
+        ms["staging"] = _ms(t)
+        return depth
+
+    def _trim_read_buffers(self) -> None:
+        """Keep the slots' buffers for the next restore only while they are small."""
+        kept = sum(b.nbytes for b in self._read_bufs) + sum(p.numel() for p in self._planes)
+        if kept > KEEP_NBYTES:
+            self._read_bufs, self._planes = [], []
+
+    def _read_file(self, fd: int, rec: FileRecord, slot: int) -> "_Fetched":
+        """Read ``rec`` whole into ``slot``'s stored bytes and decompress each part on the host
+        into its planes (on a reader when the restore overlaps); raise ``_Bad`` for a file of
+        another size. A part that does not decompress keeps its ``CodecError`` for
+        ``_check_file``, so that the parts before it are checked first, as they would be one
+        by one."""
         t = time.perf_counter()
         try:
             f = DirectFile.open_read(fd, rec.name, self.direct)
@@ -1109,20 +1176,23 @@ class SessionSpill:
         try:
             if f.size != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: {f.size} bytes, not {rec.file_nbytes}")
-            buf = aligned(rec.file_nbytes, pinned=False)  # frames: decoded on the host
+            buf = self._read_bufs[slot][:rec.file_nbytes]
             if rec.file_nbytes and f.pread_into(buf, 0) != rec.file_nbytes:
                 raise _Bad("layout", f"{rec.name[:8]}: cut")
         finally:
             f.close()
         read_ms = _ms(t)
         t = time.perf_counter()
+        planes, at = self._planes[slot], 0
         parts: list[torch.Tensor | CodecError] = []
         for part in rec.parts:
             data = memoryview(buf[part.offset:part.offset + part.header.nbytes])
+            n = part.header.raw_nbytes
             try:
-                parts.append(self.codec.decompress_into(data, part.header))
+                parts.append(self.codec.decompress_into(data, part.header, planes[at:at + n]))
             except CodecError as exc:
                 parts.append(exc)
+            at += n
         return _Fetched(parts, read_ms, _ms(t))
 
     def _check_file(self, rec: FileRecord, got: "_Fetched", outs: list[torch.Tensor],
@@ -1134,7 +1204,7 @@ class SessionSpill:
                 raise planes
             t = time.perf_counter()
             self.codec.join_into(planes, part.header, out)
-            ms["decode"] += _ms(t)
+            ms["join"] += _ms(t)
             t = time.perf_counter()
             got_sums = _pairs(host_sums(block_sums(out).unsqueeze(0)))[0]
             ms["sums"] += _ms(t)
@@ -1227,6 +1297,35 @@ def make_session_spill(config: Any, identity: Identity, grid: int, *,
                          budget_nbytes=int(s.session_spill_gb * GB), guard=guard)
     spill.open()
     return spill
+
+
+def _scratch(reused: list[torch.Tensor | None], k: int, shape: list[int], like: torch.Tensor,
+             fresh: bool) -> torch.Tensor:
+    """A contiguous block of ``shape`` beside ``like`` (its dtype and device): view ``k``'s
+    reused buffer, grown to the block, or a new one (``fresh``: a block held to the end)."""
+    numel = math.prod(shape)
+    if fresh:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    buf = reused[k]
+    if buf is None or buf.numel() < numel:
+        buf = reused[k] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel].view(shape)
+
+
+_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same dtype and shape); between host tensors in numpy, on this
+    thread: torch's intra-op pool split a block's copy across threads whose barrier, on a
+    busy machine, waited a scheduler slice (a restore's copies took 36 ms of its 46 in a
+    server on 2 cores)."""
+    if dst.device.type == "cpu" and src.device.type == "cpu" and \
+            dst.element_size() in _SAME_SIZE and dst.dtype == src.dtype:
+        as_ints = _SAME_SIZE[dst.element_size()]  # bf16 has no numpy dtype; its bits do
+        np.copyto(dst.view(as_ints).numpy(), src.view(as_ints).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _ms(t: float) -> float:

@@ -25,6 +25,7 @@ Frames compress and decompress on ``SpillCodec.threads`` threads (zstandard rele
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, NamedTuple
@@ -82,7 +83,7 @@ class BlockHeader(msgspec.Struct, frozen=True):
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)  # Python ints: exact, and no numpy call a frame
 
     @property
     def raw_nbytes(self) -> int:
@@ -228,14 +229,20 @@ class SpillCodec:
         if header.version == RAW:
             target[:] = data
             return dest
-        jobs, at, offset = [], 0, {}
+        numel = header.numel
+        jobs, at, offset = [], 0, [0] * header.element_size
         for f in header.frames:
-            start = f.plane * header.numel + offset.get(f.plane, 0)
-            offset[f.plane] = offset.get(f.plane, 0) + f.raw_nbytes
-            jobs.append((f, data[at:at + f.nbytes], target[start:start + f.raw_nbytes]))
+            start = f.plane * numel + offset[f.plane]
+            offset[f.plane] += f.raw_nbytes
+            stored, into = data[at:at + f.nbytes], target[start:start + f.raw_nbytes]
             at += f.nbytes
+            if f.stored_raw:  # a copy: on this thread, a pool's round trip costs more
+                into[:] = stored
+            else:
+                jobs.append((f, stored, into))
+        # one zstd frame (a small block's high plane) on this thread; the pool for two or more
         self._map(lambda job: self._decompress(*job), jobs)
-        return dest.view(header.element_size, header.numel)
+        return dest.view(header.element_size, numel)
 
     def _decompress(self, f: Frame, stored: memoryview, target: memoryview) -> None:
         if f.stored_raw:

@@ -9,10 +9,13 @@ kernel is held to.
 
 Both directions copy one plane at a time (a strided byte read or write each), not a 2-D
 transpose: torch's transpose of ``[n, e]`` uint8 ran at 0.6-0.8 GB/s on one CPU thread, the
-plane-by-plane copies at 2.8-3.5 GB/s.
+plane-by-plane copies at 2.8-3.5 GB/s. The join on the host builds whole words instead
+(``_join_host``: shifts and ors, two to three times the copies' rate for bf16).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -53,10 +56,28 @@ def join_planes(planes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     join = _kernels.cuda_op("join_planes_bytes") if data.is_cuda else None
     if join is not None:
         join(planes, data)
+    elif data.device.type == "cpu" and e in _WORDS and sys.byteorder == "little":
+        _join_host(planes.numpy(), data.reshape(-1).numpy())
     else:
         for j in range(e):
             data[:, j] = planes[j]
     return out if joined is out else out.copy_(joined)
+
+
+_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _join_host(planes: np.ndarray, data: np.ndarray) -> None:
+    """The host's join: each element built as an unsigned word from its bytes, the highest
+    plane first, ``w = (w << 8) | plane_j``, in the word's native (little-endian) order, so
+    that plane 0 lands in the lowest byte. Measured on one thread against torch's strided byte
+    copies (2.3-2.5 GB/s): bf16 5-8 GB/s, fp32 2.4-3.6 GB/s (the most at small blocks)."""
+    e = planes.shape[0]
+    words = data.view(_WORDS[e])
+    np.copyto(words, planes[e - 1])
+    for j in range(e - 2, -1, -1):
+        words <<= 8
+        words |= planes[j]
 
 
 def cut_planes_reference(data: bytes | np.ndarray, element_size: int) -> np.ndarray:

@@ -283,6 +283,35 @@ def test_a_flipped_byte_fails_the_restore_and_deletes_the_entry(hybrid_bf16, tmp
         assert spill.offer(conv.engine.token_ids, meta.namespace) is None
 
 
+@pytest.mark.parametrize("codec", ["planes", "raw"])
+def test_a_restores_reused_buffers_hold_no_bytes_that_pass_another_entrys_bad_file(
+        hybrid_bf16, tmp_path, codec):
+    # One spill's read and planes buffers and scratch blocks serve every restore: entry B's
+    # flipped byte still fails B though the buffers hold A's good bytes of the same layout,
+    # and A still comes back bit for bit after B's failure.
+    kw = {"codec_version": RAW} if codec == "raw" else {}
+    with open_spill(tmp_path / "sessions", **kw) as spill:
+        a = Conversation(hybrid_bf16, tokens(hybrid_bf16.vocab_size, 300, 12), decoded=8)
+        b = Conversation(hybrid_bf16, tokens(hybrid_bf16.vocab_size, 300, 13), decoded=8)
+        meta_a, meta_b = meta_of("chat-a"), meta_of("chat-b")
+        a.save(spill, meta_a)
+        b.save(spill, meta_b)
+        fresh = Engine(hybrid_bf16, window=640, prefix_chunk=GRID)
+        spill.restore(meta_a.entry_id, fresh.cache_state(), [])
+        assert_rows_equal(fresh, a.engine, a.valid)
+        rec = spill.entries()[meta_b.entry_id].blocks[1]
+        part = rec.parts[0]
+        flip(entry_dir(spill, meta_b.entry_id) / rec.name, part.offset + part.header.nbytes // 3)
+        with pytest.raises(SpillReadFailed) as err:
+            spill.restore(meta_b.entry_id, fresh.cache_state(), [])
+        assert err.value.reason in (("sums",) if codec == "raw" else ("sums", "codec"))
+        assert not entry_dir(spill, meta_b.entry_id).exists()
+        again = Engine(hybrid_bf16, window=640, prefix_chunk=GRID)
+        report = spill.restore(meta_a.entry_id, again.cache_state(), [])
+        assert_rows_equal(again, a.engine, a.valid)
+        assert_sections_equal(report.end.sections, a.end().sections)
+
+
 def test_a_restore_into_another_layout_is_refused_before_a_byte_is_read(hybrid, spill):
     conv = Conversation(hybrid, tokens(hybrid.vocab_size, 130, 11), decoded=2)
     meta = meta_of()

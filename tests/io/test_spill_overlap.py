@@ -164,3 +164,37 @@ def test_a_restores_check_still_runs_before_a_row_of_the_block_is_written(hybrid
             assert torch.equal(v.rows(0, GRID), conv.engine.cache_state().views[name].rows(0, GRID))
             assert torch.equal(v.rows(GRID, conv.valid), before[name].narrow(
                 v.token_axis, GRID, conv.valid - GRID))
+
+
+def test_a_restore_reads_several_files_ahead_while_the_first_is_checked(hybrid, tmp_path,
+                                                                        monkeypatch):
+    # A small file's read is mostly the disk's latency: the readers keep READ_AHEAD of them
+    # in flight, each in its own slot, and the rows still come back bit for bit.
+    from tandem.io import spill as spill_module
+
+    conv = Conversation(hybrid, tokens(hybrid.vocab_size, 400, 37), decoded=3)
+    started, enough = [], threading.Event()
+    real_read, real_check = SessionSpill._read_file, SessionSpill._check_file
+    seen = []
+
+    def read_file(self, fd, rec, slot):
+        started.append(slot)
+        if len(started) >= 1 + spill_module.READ_AHEAD:
+            enough.set()
+        return real_read(self, fd, rec, slot)
+
+    def check_file(self, *a, **kw):
+        if not seen:
+            seen.append(enough.wait(WAIT_S))
+        return real_check(self, *a, **kw)
+
+    with open_spill(tmp_path / "a") as spill:
+        conv.save(spill, meta_of())
+        monkeypatch.setattr(SessionSpill, "_read_file", read_file)
+        monkeypatch.setattr(SessionSpill, "_check_file", check_file)
+        fresh = Engine(hybrid, window=640, prefix_chunk=GRID)
+        spill.restore(meta_of().entry_id, fresh.cache_state(), [])
+    assert seen == [True]
+    slots = 1 + spill_module.READ_AHEAD
+    assert started == [i % slots for i in range(len(started))]  # file i in slot i % S
+    assert_rows_equal(fresh, conv.engine, conv.valid)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from tandem.cache.copies import SectionsCopy
+from tandem.kernels import blocksums
 from tandem.kernels.blocksums import (ROW_WORDS, block_sums, block_sums_python,
                                       block_sums_reference, host_sums, sections_sums,
                                       view_block_sums, views_block_sums)
@@ -156,3 +157,24 @@ def test_no_rows_are_no_blocks_and_a_bad_range_is_refused():
         view_block_sums(t, 0, 0, 11, 8)
     with pytest.raises(ValueError):
         view_block_sums(t, 0, 0, 10, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(0, ROW_WORDS * 4 * 3 + 9), st.integers(0, 2 ** 31))
+def test_the_hosts_numpy_sums_and_the_torch_limbs_both_equal_the_reference(blocks, nbytes, seed):
+    # The host path (numpy, wrapping uint64) and the torch path (limbs, for another device)
+    # are two computations of one definition: whole rows of the [R, C] layout, a tail of part
+    # of a row, a last word of fewer than 4 bytes, and several blocks in one call.
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (blocks, nbytes), generator=gen, dtype=torch.uint8)
+    want = [block_sums_reference(row) for row in data]
+    assert as_ints(blocksums._sums_of_bytes(data)) == want
+    assert as_ints(torch.from_numpy(blocksums._host_sums_of_bytes(data.numpy()))) == want
+    assert as_ints(blocksums._torch_sums_of_bytes(data)) == want
+
+
+def test_the_hosts_sums_carry_exactly_at_the_largest_words_in_the_tail_and_the_rows():
+    n = ROW_WORDS * 3 + 5  # three whole rows and a tail, every word 2**32 - 1
+    data = torch.full((1, n * 4), 255, dtype=torch.uint8)
+    want = ((2 ** 32 - 1) * n % 2 ** 64, (2 ** 32 - 1) * n * (n + 1) // 2 % 2 ** 64)
+    assert as_ints(torch.from_numpy(blocksums._host_sums_of_bytes(data.numpy()))) == [want]

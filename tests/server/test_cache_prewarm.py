@@ -99,11 +99,11 @@ async def test_a_request_during_the_prewarm_stops_it_and_leaves_both_conversatio
     reading = asyncio.Event()
     loop = asyncio.get_running_loop()
 
-    def slow_read(self, fd, rec):  # each file of the prewarm's read takes a while
+    def slow_read(self, fd, rec, slot):  # each file of the prewarm's read takes a while
         loop.call_soon_threadsafe(reading.set)
         import time
         time.sleep(0.3)
-        return read(self, fd, rec)
+        return read(self, fd, rec, slot)
 
     config = _prewarm_config(make_config)
     async with serve(build_app(config, small_loaded)) as server:
