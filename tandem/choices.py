@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from tandem.engine import CHUNK, DecodeStep, Engine, GenerationResult, SamplingParams, Step, \
-    VerifyStep, decode_batch
+    VerifyStep, decode_batch, forward_step
 from tandem.models.rows import release_rows
 
 
@@ -170,13 +170,7 @@ def drive(steps: Generator[Any, Any, Any]) -> Any:
     try:
         while True:
             step = steps.send(value)
-            if isinstance(step, DecodeBatch):
-                value = decode_batch(step.steps)
-            elif isinstance(step, DecodeStep):
-                value = step.engine.decode(step.token_id)
-            elif isinstance(step, VerifyStep):
-                value = step.engine.verify(step.token_ids)
-            else:
-                value = None
+            value = (decode_batch(step.steps) if isinstance(step, DecodeBatch)
+                     else forward_step(step))
     except StopIteration as done:
         return done.value

@@ -309,15 +309,19 @@ def run_steps(steps: Generator[Step, torch.Tensor | None, "GenerationResult"]):
     value = None
     try:
         while True:
-            step = steps.send(value)
-            if isinstance(step, DecodeStep):
-                value = step.engine.decode(step.token_id)
-            elif isinstance(step, VerifyStep):
-                value = step.engine.verify(step.token_ids)
-            else:
-                value = None
+            value = forward_step(steps.send(value))
     except StopIteration as done:
         return done.value
+
+
+def forward_step(step: Any) -> torch.Tensor | None:
+    """One step forwarded alone on its own engine: a decode step's logits, a verify block's,
+    None for a prefill chunk (which ran as the generator yielded it)."""
+    if isinstance(step, DecodeStep):
+        return step.engine.decode(step.token_id)
+    if isinstance(step, VerifyStep):
+        return step.engine.verify(step.token_ids)
+    return None
 
 
 def _stoppable(steps: Generator[Step, Any, torch.Tensor], stop: Callable[[], bool]
