@@ -7,6 +7,7 @@ work is what these tests hold; tests/server/test_cache_peek.py holds the routes'
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -34,6 +35,20 @@ def _stand_in(app: web.Application, sent: list, answers: dict) -> None:
     app.router.add_post("/v1/cache/prewarm", answer)
 
 
+@contextlib.asynccontextmanager
+async def _console(tmp_path, sent: list, answers: dict):
+    """The console over a stand-in of the two routes, in Chromium, once it polls live."""
+    harness = Harness(clock=SystemClock())
+    build_system(harness)
+    async with harness:
+        app = console_app(harness, engine=FakeEngine(), journal=FakeJournal())
+        _stand_in(app, sent, answers)
+        async with serve(app) as base, chromium(tmp_path) as page:
+            await page.call("Page.navigate", url=f"{base}/console")
+            await page.wait_for('document.getElementById("status").dataset.state === "live"')
+            yield page
+
+
 async def _paste(page, body: str, session: str) -> None:
     await page.evaluate("""(() => {
         const f = document.getElementById("peek-form");
@@ -49,38 +64,31 @@ async def test_the_peek_panel_sends_the_pasted_body_and_shows_the_answer(tmp_pat
     sent: list = []
     answers = {"peek": (200, PEEK),
                "prewarm": (200, {"prewarmed": True, "restore": {"rows": 4096, "ms": 20.5}})}
-    harness = Harness(clock=SystemClock())
-    build_system(harness)
-    async with harness:
-        app = console_app(harness, engine=FakeEngine(), journal=FakeJournal())
-        _stand_in(app, sent, answers)
-        async with serve(app) as base, chromium(tmp_path) as page:
-            await page.call("Page.navigate", url=f"{base}/console")
-            await page.wait_for('document.getElementById("status").dataset.state === "live"')
-            await _paste(page, json.dumps(BODY), "s-1")
-            await page.evaluate('document.getElementById("peek-button").click()')
-            await page.wait_for('document.getElementById("peek-status").dataset.state === "ok"')
-            assert sent == [("peek", "s-1", BODY)]
-            assert await page.evaluate(
-                'document.getElementById("peek-result").dataset.kind') == "peek"
-            assert await page.evaluate(f"{FIELD % 'tier'}.dataset.value") == "nvme_spill"
-            assert await page.evaluate(f"{FIELD % 'cached_tokens'}.dataset.value") == "4096"
-            assert await page.evaluate(f"{FIELD % 'reread_eta_ms'}.textContent") == "35.5"
-            assert "nvme_spill" in await page.evaluate(
-                'document.getElementById("peek-status").textContent')
+    async with _console(tmp_path, sent, answers) as page:
+        await _paste(page, json.dumps(BODY), "s-1")
+        await page.evaluate('document.getElementById("peek-button").click()')
+        await page.wait_for('document.getElementById("peek-status").dataset.state === "ok"')
+        assert sent == [("peek", "s-1", BODY)]
+        assert await page.evaluate(
+            'document.getElementById("peek-result").dataset.kind') == "peek"
+        assert await page.evaluate(f"{FIELD % 'tier'}.dataset.value") == "nvme_spill"
+        assert await page.evaluate(f"{FIELD % 'cached_tokens'}.dataset.value") == "4096"
+        assert await page.evaluate(f"{FIELD % 'reread_eta_ms'}.textContent") == "35.5"
+        assert "nvme_spill" in await page.evaluate(
+            'document.getElementById("peek-status").textContent')
 
-            await page.evaluate('document.getElementById("prewarm-button").click()')
-            await page.wait_for(
-                'document.getElementById("peek-result").dataset.kind === "prewarm"')
-            assert sent[-1] == ("prewarm", "s-1", BODY)
-            assert await page.evaluate(f"{FIELD % 'prewarmed'}.dataset.value") == "true"
-            assert "4,096" in await page.evaluate(f"{FIELD % 'restore'}.textContent")
+        await page.evaluate('document.getElementById("prewarm-button").click()')
+        await page.wait_for(
+            'document.getElementById("peek-result").dataset.kind === "prewarm"')
+        assert sent[-1] == ("prewarm", "s-1", BODY)
+        assert await page.evaluate(f"{FIELD % 'prewarmed'}.dataset.value") == "true"
+        assert "4,096" in await page.evaluate(f"{FIELD % 'restore'}.textContent")
 
-            # Not prewarmed: the why is in the status line.
-            answers["prewarm"] = (200, {"prewarmed": False, "why": "not_on_nvme"})
-            await page.evaluate('document.getElementById("prewarm-button").click()')
-            await page.wait_for(
-                'document.getElementById("peek-status").textContent.includes("not_on_nvme")')
+        # Not prewarmed: the why is in the status line.
+        answers["prewarm"] = (200, {"prewarmed": False, "why": "not_on_nvme"})
+        await page.evaluate('document.getElementById("prewarm-button").click()')
+        await page.wait_for(
+            'document.getElementById("peek-status").textContent.includes("not_on_nvme")')
 
 
 async def test_the_peek_panel_reads_a_409_as_busy_and_refuses_a_body_that_is_not_json(tmp_path):
@@ -88,27 +96,20 @@ async def test_the_peek_panel_reads_a_409_as_busy_and_refuses_a_body_that_is_not
     answers = {"peek": (409, {"error": {"message": "a request waits for the engine",
                                         "type": "invalid_request_error", "code": "engine_busy"}}),
                "prewarm": (200, {})}
-    harness = Harness(clock=SystemClock())
-    build_system(harness)
-    async with harness:
-        app = console_app(harness, engine=FakeEngine(), journal=FakeJournal())
-        _stand_in(app, sent, answers)
-        async with serve(app) as base, chromium(tmp_path) as page:
-            await page.call("Page.navigate", url=f"{base}/console")
-            await page.wait_for('document.getElementById("status").dataset.state === "live"')
-            await _paste(page, '{"messages": [', "")
-            await page.evaluate('document.getElementById("peek-button").click()')
-            await page.wait_for('document.getElementById("peek-status").dataset.state === "error"')
-            assert "not JSON" in await page.evaluate(
-                'document.getElementById("peek-status").textContent')
-            assert sent == []  # refused in the page, never sent
+    async with _console(tmp_path, sent, answers) as page:
+        await _paste(page, '{"messages": [', "")
+        await page.evaluate('document.getElementById("peek-button").click()')
+        await page.wait_for('document.getElementById("peek-status").dataset.state === "error"')
+        assert "not JSON" in await page.evaluate(
+            'document.getElementById("peek-status").textContent')
+        assert sent == []  # refused in the page, never sent
 
-            await _paste(page, json.dumps(BODY), "")
-            await page.evaluate('document.getElementById("peek-button").click()')
-            await page.wait_for('document.getElementById("peek-status").dataset.state === "busy"')
-            assert sent == [("peek", None, BODY)]  # no session typed: no header
-            assert "409" in await page.evaluate(
-                'document.getElementById("peek-status").textContent')
+        await _paste(page, json.dumps(BODY), "")
+        await page.evaluate('document.getElementById("peek-button").click()')
+        await page.wait_for('document.getElementById("peek-status").dataset.state === "busy"')
+        assert sent == [("peek", None, BODY)]  # no session typed: no header
+        assert "409" in await page.evaluate(
+            'document.getElementById("peek-status").textContent')
 
 
 class _WithStore(FakeCacheStats):
