@@ -186,10 +186,11 @@ async def test_http_urls_are_read_only_behind_image_fetch_within_its_limits():
         await runner.cleanup()
 
 
-def test_decode_image_is_a_plain_function_of_the_bytes():
+def test_decode_image_called_directly_gives_the_pixels_and_counts_the_encoded_bytes():
     data = _encode(_pixels(), "PNG")
     a, b = decode_image(data, "x", ImageLimits()), decode_image(data, "x", ImageLimits())
-    assert np.array_equal(a.rgb, b.rgb) and a.nbytes == len(data)
+    assert np.array_equal(a.rgb, _pixels()) and np.array_equal(b.rgb, _pixels())
+    assert a.nbytes == len(data) and (a.width, a.height, a.where) == (7, 5, "x")
 
 
 async def test_the_chat_route_names_a_bad_image_and_refuses_images_it_cannot_read(
