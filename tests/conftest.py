@@ -29,3 +29,28 @@ def qwen3_next_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_5_moe_dir(tmp_path_factory) -> Path:
     return make_qwen3_5_moe(tmp_path_factory.mktemp("qwen3_5_moe"))
+
+
+@pytest.fixture(params=["native", "torch"])
+def decode_matmuls(request):
+    """Decode's matmuls on the native kernel (tandem.kernels.native, skipped where it does not
+    build) and on torch's, each in turn; the process's setting put back after."""
+    from tandem.kernels import decode, native
+
+    if request.param == "native" and not native.available():
+        pytest.skip("the native kernel does not build on this machine")
+    before = decode.block() == 1
+    decode.set_native(request.param == "native")
+    yield request.param
+    decode.set_native(before)
+
+
+@pytest.fixture
+def torch_matmuls():
+    """Decode's matmuls on torch's path for one test (what it asserts is torch's bits)."""
+    from tandem.kernels import decode
+
+    before = decode.block() == 1
+    decode.set_native(False)
+    yield
+    decode.set_native(before)

@@ -37,24 +37,57 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-BLOCK = 2  # the rows of every decode matmul: the most read at the GEMV's rate
+from tandem.kernels.native import fits as native_fits
+from tandem.kernels.native import rows_f32 as native_rows
+
+TORCH_BLOCK = 2  # the rows of every torch decode matmul: the most read at the GEMV's rate
+
+# Where the native kernel runs (tandem.kernels.native: fp32 on an AVX-512 CPU with a compiler),
+# every row's bits are its own at any number of rows and the weights are read once a step for
+# the whole batch: no pad row, no pairs. _native is None until the first call decides.
+_native: bool | None = None
+BLOCK = TORCH_BLOCK  # the rows forward_batch gives a lone sequence: block() keeps it current
+
+
+def set_native(on: bool) -> bool:
+    """Decode's fp32 CPU matmuls on the native kernel (where it builds) or on torch's path, for
+    this process; returns whether the native kernel is now in use. The two round differently:
+    set it before a model decodes, never between the steps a test compares."""
+    global _native, BLOCK
+    from tandem.kernels import native
+
+    _native = on and native.available()
+    BLOCK = 1 if _native else TORCH_BLOCK
+    return _native
+
+
+def block() -> int:
+    """The rows a lone sequence's step carries (forward_batch's pad): 1 on the native kernel."""
+    if _native is None:
+        set_native(True)
+    return BLOCK
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor,
                 weight_t: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T`` for x [B, K], weight [N, K]: [B, N], row b's bits a function of x[b].
-    ``weight_t``, ``weight.t()`` made once by a caller, saves F.linear's layers of dispatch
-    (four calls on top of the one torch.mm that F.linear makes of a 2-D input: the same bits)."""
+    On the native kernel one call for any B; on torch's path ``weight_t``, ``weight.t()`` made
+    once by a caller, saves F.linear's layers of dispatch (four calls on top of the one
+    torch.mm that F.linear makes of a 2-D input: the same bits)."""
+    if _native is None:
+        set_native(True)
+    if _native and native_fits(x, weight):
+        return native_rows(x, weight)
     wt = weight.t() if weight_t is None else weight_t
     b = x.shape[0]
-    if b == BLOCK:
+    if b == TORCH_BLOCK:
         return torch.mm(x, wt)
-    if b < BLOCK:
-        return torch.mm(torch.cat([x, x[:1].expand(BLOCK - b, -1)]), wt)[:b]
+    if b < TORCH_BLOCK:
+        return torch.mm(torch.cat([x, x[:1].expand(TORCH_BLOCK - b, -1)]), wt)[:b]
     out = x.new_empty(b, wt.shape[1])
-    for a in range(0, b, BLOCK):
-        s = min(a, b - BLOCK)  # the last block reaches back to hold BLOCK rows
-        torch.mm(x[s:s + BLOCK], wt, out=out[s:s + BLOCK])
+    for a in range(0, b, TORCH_BLOCK):
+        s = min(a, b - TORCH_BLOCK)  # the last block reaches back to hold TORCH_BLOCK rows
+        torch.mm(x[s:s + TORCH_BLOCK], wt, out=out[s:s + TORCH_BLOCK])
     return out
 
 

@@ -24,6 +24,9 @@ import torch.nn.functional as F
 from tandem import kernels
 from tandem.kernels import decode as decode_ops, reference
 from tandem.kernels.decode import each_row
+from tandem.kernels.native import digest as native_digest
+from tandem.kernels.native import fits as native_fits
+from tandem.kernels.native import rows_f32 as native_rows
 from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
 from tandem.models.base import Cost, ModelError, ModelState, View
 
@@ -422,6 +425,8 @@ class HybridModel:
             "weights": self._weights_digest,
             "code": checkpoint.code_digest(__import__(__name__, fromlist=["x"]), moe, reference,
                                           decode_ops, *((vision,) if self.images else ())),
+            # decode's matmuls round otherwise on the native kernel than on torch's
+            "decode": native_digest() if decode_ops.block() == 1 else "torch",
         }
 
     # -- forward ---------------------------------------------------------------------------
@@ -708,19 +713,21 @@ class HybridModel:
         batch. A MoE block runs each sequence's row alone: its router and grouped experts batch
         rows by expert, which is not invariant.
 
-        A lone sequence carries a pad row from the embedding on (its own token again), so that
-        every matmul gets its BLOCK rows as they are rather than a copy padded at each call;
-        the pad row's conv, recurrence and attention outputs are zeros (it has no state), and
-        its results are dropped. A row's bits at BLOCK rows are its own whatever the other row
-        holds, so the lone sequence's logits are those it gets in any batch."""
+        On torch's matmuls a lone sequence carries a pad row from the embedding on (its own
+        token again), so that every matmul gets its TORCH_BLOCK rows as they are rather than a
+        copy padded at each call; the pad row's conv, recurrence and attention outputs are
+        zeros (it has no state), and its results are dropped. A row's bits at those rows are
+        its own whatever the other row holds, so the lone sequence's logits are those it gets
+        in any batch. The native kernel needs no pad (decode_ops.block() is 1 there)."""
         n = len(states)
         embed = self.w["embed_tokens.weight"]
+        block = decode_ops.block()
         if n == 1 and 0 <= token_ids[0] < embed.shape[0]:
             # the row and its pad, one view (x is never written in place); F.embedding refuses
             # an id out of range, where indexing would take a negative one from the end
-            x = embed[token_ids[0]].expand(decode_ops.BLOCK, -1)
+            x = embed[token_ids[0]].expand(block, -1)
         else:
-            ids = token_ids if n >= decode_ops.BLOCK else token_ids * decode_ops.BLOCK
+            ids = token_ids if n >= block else token_ids * block
             x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device), embed)
         turns = positions if rope_offsets is None else [p + o for p, o in
                                                           zip(positions, rope_offsets)]
@@ -809,6 +816,9 @@ class HybridModel:
         over at most VERIFY_HEAD_ROWS rows a call and at least 2 (a lone row twice, a last
         group reaching back), every call in the class that gives a row its own bits."""
         head, m = self.w["lm_head.weight"], x.shape[0]
+        if decode_ops.block() == 1 and native_fits(x, head):
+            # the native kernel: a verify row's logits are then the very bits its decode gets
+            return native_rows(x, head)
         if m == 1:
             return torch.mm(head, x.expand(2, -1).transpose(0, 1))[:, :1].transpose(0, 1).float()
         if m <= VERIFY_HEAD_ROWS:

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.decode import BLOCK, _one_call_is_each_row, each_row, rows_linear
+from tandem.kernels import native
+from tandem.kernels.decode import TORCH_BLOCK, _one_call_is_each_row, each_row, rows_linear
 
 # (outputs, inputs): tiny's GDN in_proj, MLP gate_up, down, the head; a 0.8B-like in_proj,
 # gate_up, down and out_proj; the small hybrid's and the oracle models' (hidden 64, 24)
@@ -18,13 +19,14 @@ SHAPES = [(1568, 256), (1024, 256), (256, 512), (248_320, 256),
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_a_row_is_the_same_bits_alone_and_at_any_place_in_any_batch(shape, dtype):
+def test_a_row_is_the_same_bits_alone_and_at_any_place_in_any_batch(shape, dtype,
+                                                                     decode_matmuls):
     gen = torch.Generator().manual_seed(shape[0])
     n, k = shape
     w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)
     rows = torch.randn(22, k, generator=gen).to(dtype)
     alone = rows_linear(rows[:1], w)[0]
-    sizes = (2, 3, 4, 5, 7, 8, 9, 21) if n < 100_000 else (2, BLOCK, BLOCK + 1, 8)
+    sizes = (2, 3, 4, 5, 7, 8, 9, 21) if n < 100_000 else (2, TORCH_BLOCK + 1, 4, 8)
     for size in sizes:
         for place in sorted({0, size // 2, size - 1}):
             batch = rows[1:size + 1].clone()
@@ -34,14 +36,14 @@ def test_a_row_is_the_same_bits_alone_and_at_any_place_in_any_batch(shape, dtype
             assert torch.equal(got[place], alone), (size, place)
 
 
-def test_rows_linear_is_x_times_w_transposed():
+def test_rows_linear_is_x_times_w_transposed(decode_matmuls):
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(300, 64, generator=gen), torch.randn(11, 64, generator=gen)
     assert torch.allclose(rows_linear(x, w), x @ w.T, atol=1e-5)
     assert torch.allclose(rows_linear(x[:1], w), F.linear(x[:1], w), atol=1e-5)
 
 
-def test_rows_linear_on_a_weight_transposed_once_is_f_linear_s_bits():
+def test_rows_linear_on_a_weight_transposed_once_is_f_linear_s_bits(torch_matmuls):
     gen = torch.Generator().manual_seed(1)
     for n, k in ((1568, 256), (256, 512), (8, 64)):
         w = torch.randn(n, k, generator=gen)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from small_hybrid import make_small_hybrid
-from tandem.kernels.decode import BLOCK
+from tandem.kernels.decode import TORCH_BLOCK
 from tandem.models.base import ModelState, View
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
@@ -66,7 +66,7 @@ def _alone(model, seqs) -> tuple[list[list[torch.Tensor]], list[list[int]], list
     return logits, tokens, states
 
 
-def test_a_sequence_decodes_the_same_bits_alone_and_in_any_batch(model):
+def test_a_sequence_decodes_the_same_bits_alone_and_in_any_batch(model, decode_matmuls):
     seqs = _prefilled(model)
     with torch.inference_mode():
         want_logits, want_tokens, want_states = _alone(model, seqs)
@@ -75,7 +75,7 @@ def test_a_sequence_decodes_the_same_bits_alone_and_in_any_batch(model):
         next_tok = [tok for _, _, tok in seqs]
         got_tokens: list[list[int]] = [[] for _ in seqs]
         rng = random.Random(3)
-        sizes = [SEQUENCES, 1, BLOCK, BLOCK + 1, 4, 5, 7]
+        sizes = [SEQUENCES, 1, TORCH_BLOCK, TORCH_BLOCK + 1, 4, 5, 7]
         while any(d < STEPS for d in done):
             live = [i for i in range(SEQUENCES) if done[i] < STEPS]
             size = min(len(live), sizes[sum(done) % len(sizes)])

@@ -1,0 +1,143 @@
+/* Decode's matmul on x86-64 with AVX-512: Y[b, n] = sum_k X[b, k] W[n, k] for B rows at once,
+   the weights read once for all of them (tandem/kernels/native.py builds and loads this file).
+
+   Every output is the same arithmetic wherever and with whatever neighbours it is computed: one
+   16-lane accumulator, FMAs in ascending k (a masked tail last), then the lane tree
+   (i + i+8, i + i+4, i + i+2, i + i+1). Which kernel shape covers an output (16 rows by 1 input,
+   8 by 2, 4 by 4, a lone row), how many inputs the call has and which thread runs it change
+   nothing: a row's result is a function of its own input alone (issue 14's batch invariance),
+   by construction rather than by measurement. Float addition commutes, so the tree's operands
+   may come in either order; nothing here is compiled with -ffast-math (no reassociation). */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float tree1(__m512 a) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+
+/* 16 accumulators to one vector of their 16 sums, each by tree1's pairs; lane order PERM. */
+static inline __m512 tree16(const __m512 *a) {
+  __m512 c[8], e[4], g[2];
+  for (int i = 0; i < 8; i++)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2*i], a[2*i+1], 0x44),
+                         _mm512_shuffle_f32x4(a[2*i], a[2*i+1], 0xEE));
+  for (int i = 0; i < 4; i++)
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2*i], c[2*i+1], 0x88),
+                         _mm512_shuffle_f32x4(c[2*i], c[2*i+1], 0xDD));
+  for (int i = 0; i < 2; i++)
+    g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2*i], e[2*i+1], 0x44),
+                         _mm512_shuffle_ps(e[2*i], e[2*i+1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+}
+
+static int perm[16];  /* perm[j]: the lane of tree16's result that holds accumulator j's sum */
+__attribute__((constructor)) static void find_perm(void) {
+  for (int j = 0; j < 16; j++) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    float one[16] = {0}; one[0] = 1.0f; a[j] = _mm512_loadu_ps(one);
+    float out[16]; _mm512_storeu_ps(out, tree16(a));
+    for (int l = 0; l < 16; l++) if (out[l] == 1.0f) perm[j] = l;
+  }
+}
+
+
+/* R weight rows by BB inputs (R * BB = 16 accumulators), reading the R rows once for the BB. */
+#define KERNEL(NAME, R, BB) \
+static inline void NAME(const float *const *xs, const float *W, long K, float *const *ys) { \
+  __m512 acc[16]; \
+  for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps(); \
+  long k = 0; \
+  for (; k + 16 <= K; k += 16) { \
+    __m512 w[R]; \
+    /* the rows two groups on, fetched ahead: a hint, which never faults past W's end */ \
+    for (int r = 0; r < R; r++) { \
+      w[r] = _mm512_loadu_ps(W + r * K + k); \
+      _mm_prefetch((const char *)(W + (r + 2 * R) * K + k), _MM_HINT_T0); \
+    } \
+    for (int b = 0; b < BB; b++) { \
+      __m512 xv = _mm512_loadu_ps(xs[b] + k); \
+      for (int r = 0; r < R; r++) acc[r * BB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * BB + b]); \
+    } \
+  } \
+  if (k < K) { \
+    __mmask16 m = (__mmask16)((1u << (K - k)) - 1); \
+    __m512 w[R]; \
+    for (int r = 0; r < R; r++) w[r] = _mm512_maskz_loadu_ps(m, W + r * K + k); \
+    for (int b = 0; b < BB; b++) { \
+      __m512 xv = _mm512_maskz_loadu_ps(m, xs[b] + k); \
+      for (int r = 0; r < R; r++) acc[r * BB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * BB + b]); \
+    } \
+  } \
+  float out[16]; _mm512_storeu_ps(out, tree16(acc)); \
+  for (int r = 0; r < R; r++) for (int b = 0; b < BB; b++) ys[b][r] = out[perm[r * BB + b]]; \
+}
+KERNEL(k16x1, 16, 1)
+KERNEL(k8x2, 8, 2)
+KERNEL(k4x4, 4, 4)
+
+static inline float one_row(const float *x, const float *w, long K) {
+  __m512 acc = _mm512_setzero_ps();
+  long k = 0;
+  for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
+  if (k < K) {
+    __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), acc);
+  }
+  return tree1(acc);
+}
+
+static void rows_block(const float *X, long ldx, long B, const float *W, long K, float *Y,
+                       long ldy, long n0, long n1) {
+  float dump[16];
+  if (B == 1) {
+    const float *xs[1] = {X};
+    long n = n0;
+    for (; n + 16 <= n1; n += 16) { float *ys[1] = {Y + n}; k16x1(xs, W + n * K, K, ys); }
+    for (; n < n1; n++) Y[n] = one_row(X, W + n * K, K);
+    return;
+  }
+  if (B == 2) {
+    const float *xs[2] = {X, X + ldx};
+    long n = n0;
+    for (; n + 8 <= n1; n += 8) { float *ys[2] = {Y + n, Y + ldy + n}; k8x2(xs, W + n * K, K, ys); }
+    for (; n < n1; n++) for (int b = 0; b < 2; b++) Y[b * ldy + n] = one_row(X + b * ldx, W + n * K, K);
+    return;
+  }
+  long n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (long b0 = 0; b0 < B; b0 += 4) {
+      const float *xs[4]; float *ys[4];
+      for (int b = 0; b < 4; b++) {
+        long bb = b0 + b < B ? b0 + b : B - 1;   /* a short last group repeats its last row */
+        xs[b] = X + bb * ldx;
+        ys[b] = b0 + b < B ? Y + bb * ldy + n : dump;
+      }
+      k4x4(xs, W + n * K, K, ys);
+    }
+  for (; n < n1; n++) for (long b = 0; b < B; b++) Y[b * ldy + n] = one_row(X + b * ldx, W + n * K, K);
+}
+
+/* X [B, K] (rows ldx apart), W [N, K] contiguous, Y [B, N] (rows ldy apart). A matrix under
+   64 KiB runs on the calling thread (a region's fork and join cost more than its rows); a
+   larger one in four tasks a thread, of whole groups of 16 rows, over torch's OpenMP team (this
+   library links the libgomp that torch loaded: one team in the process). */
+void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, long K, float *Y,
+                     long ldy, int threads) {
+  if (threads <= 1 || N < 32 || N * K < 16384) {
+    rows_block(X, ldx, B, W, K, Y, ldy, 0, N);
+    return;
+  }
+  long chunk = (N + 4 * threads - 1) / (4 * threads);
+  chunk = (chunk + 15) / 16 * 16;
+  long tasks = (N + chunk - 1) / chunk;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (long t = 0; t < tasks; t++) {
+    long n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    rows_block(X, ldx, B, W, K, Y, ldy, n0, n1);
+  }
+}

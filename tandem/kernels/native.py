@@ -1,0 +1,181 @@
+"""Decode's CPU matmul as our own AVX-512 kernel (``csrc/rows.c``), built once by the machine's C
+compiler and loaded with ctypes.
+
+Why our own: a decode step reads every weight once a token, so its rate is the rate its matmuls
+read memory at, and a batched step must give each sequence the bits it gets alone (issue 14).
+torch's CPU matmuls (MKL) meet neither at once: at M = 1 a GEMV rounds otherwise than at M >= 2,
+which M share bits depends on the shape, and at M = 4 a head reads at half the GEMV's rate, so
+tandem ran every call at exactly two rows and read the weights once a pair of sequences
+(``decode.rows_linear``'s torch path). ``rows.c`` computes every output with one fixed sequence
+of FMAs and one fixed lane tree, so a row's bits are its own at any B, and it reads the weights
+once for up to any number of rows: measured on this machine's two cores (fp32, quiet), a
+248,320 x 256 head at 23.6 GB/s at B = 1 against numpy's 20.7 and torch's 21.2, and at B = 4
+21.8 GB/s where torch's two calls of two rows read it twice.
+
+A C compiler is on every machine tandem builds on (the CPU torch wheel's install needs none,
+but the Python headers' packages do), and the build takes about half a second; where there is
+none, or the CPU lacks AVX-512, or the build fails, ``available()`` is False and decode keeps
+torch's path, whose bits are its own too. The library links the libgomp torch loaded (the
+same soname), so its parallel regions run on torch's one OpenMP team (tandem/torch_thread.py).
+Built libraries live under ``$XDG_CACHE_HOME/tandem/native`` (else ``~/.cache/tandem/native``,
+else a temporary directory), named by a hash of the source, the flags and the compiler, and
+written by rename so that processes building at once never load half a file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))  # one library of them all
+FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
+         "-fPIC", "-shared")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_enabled = True  # use_native(False) turns the kernel off for this process (tests, benchmarks)
+
+
+def _cpu_ok() -> bool:
+    return (platform.machine() in ("x86_64", "AMD64")
+            and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16"))
+
+
+def _cache_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tandem" / "native"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    return cc if cc and shutil.which(cc) else None
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout.splitlines()[:1]
+    digest = hashlib.sha256(_sources_bytes() + repr((FLAGS, version)).encode()).hexdigest()
+    for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"tandem-native-{os.getuid()}"):
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        target = root / f"tandem-{digest[:16]}.so"
+        if target.is_file():
+            return target
+        tmp = root / f".{target.name}.{os.getpid()}.tmp"
+        try:
+            subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(tmp, target)
+            log.info("native_kernel_built", path=str(target), compiler=cc)
+            return target
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            continue
+    raise OSError("no writable directory for the native kernel")
+
+
+def _sources_bytes() -> bytes:
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+
+
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+# Every exported function's C signature (argtypes; each returns void).
+SIGNATURES: dict[str, list] = {
+    "tandem_rows_f32": [_P, _L, _L, _P, _L, _L, _P, _L, _I],
+}
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if not _cpu_ok():
+            log.info("native_kernel_off", reason="no AVX-512 on this CPU")
+            return None
+        cc = _compiler()
+        if cc is None:
+            log.info("native_kernel_off", reason="no C compiler")
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("native_kernel_off", reason="build failed", error=str(exc)[-400:])
+            return None
+        for name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _lib = lib
+        return lib
+
+
+def digest() -> str:
+    """The kernel's source hash: what a saved state decoded by it names (a model's manifest)."""
+    return "native:" + hashlib.sha256(_sources_bytes()).hexdigest()[:16]
+
+
+def available() -> bool:
+    """Whether decode's fp32 CPU matmuls run on the native kernel in this process."""
+    return _enabled and _load() is not None
+
+
+def use_native(on: bool) -> bool:
+    """Turn the native kernel on or off for this process; returns the previous setting. A model
+    must not switch between steps of one conversation it compares bits across (the two paths
+    round differently); tests and benchmarks set it before they load one."""
+    global _enabled
+    previous, _enabled = _enabled, on
+    return previous
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` is the kernel's: fp32 CPU tensors, weight contiguous, x's rows
+    contiguous."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and weight.is_contiguous() and x.stride(1) == 1)
+
+
+def rows_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for x [B, K], weight [N, K] (``fits``), each row's bits its own."""
+    b, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(b, n, dtype=torch.float32)
+    _FN(x.data_ptr(), x.stride(0), b, weight.data_ptr(), n, k, out.data_ptr(), n,
+        torch.get_num_threads())
+    return out
+
+
+def function(name: str):
+    """The library's function ``name`` (``SIGNATURES``); available() must be True."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native kernels are not available (check available() first)")
+    return getattr(lib, name)
+
+
+def _fn(*args) -> None:
+    global _FN
+    _FN = function("tandem_rows_f32")
+    _FN(*args)
+
+
+_FN = _fn  # the library's function once loaded (rebinds itself on first call)
