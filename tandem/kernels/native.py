@@ -94,10 +94,13 @@ def _sources_bytes() -> bytes:
     return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
 
 
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 # Every exported function's C signature (argtypes; each returns void).
 SIGNATURES: dict[str, list] = {
     "tandem_rows_f32": [_P, _L, _L, _P, _L, _L, _P, _L, _I],
+    "tandem_rms_rows_f32": [_P, _L, _L, _L, _P, _F, _P],
+    "tandem_add_rms_rows_f32": [_P, _L, _P, _L, _L, _L, _P, _F, _P, _P],
+    "tandem_silu_mul_rows_f32": [_P, _P, _L, _L, _L, _P],
 }
 
 
@@ -179,3 +182,41 @@ def _fn(*args) -> None:
 
 
 _FN = _fn  # the library's function once loaded (rebinds itself on first call)
+
+
+def rows_fit(*xs: torch.Tensor) -> bool:
+    """Whether fp32 CPU rows [R, D] (each row contiguous) are the row ops' (csrc/norms.c)."""
+    return all(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+               and x.stride(1) == 1 for x in xs)
+
+
+def rms_rows(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x * x) + eps) * gain`` a row of x [R, D] at a time (``rows_fit``)."""
+    r, d = x.shape
+    out = torch.empty(r, d, dtype=torch.float32)
+    function("tandem_rms_rows_f32")(x.data_ptr(), x.stride(0), r, d, gain.data_ptr(), eps,
+                                    out.data_ptr())
+    return out
+
+
+def add_rms_rows(x: torch.Tensor, h: torch.Tensor, gain: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual ``x + h`` and its rms norm, [R, D] each, in one pass (``rows_fit``)."""
+    r, d = x.shape
+    total = torch.empty(r, d, dtype=torch.float32)
+    out = torch.empty(r, d, dtype=torch.float32)
+    function("tandem_add_rms_rows_f32")(x.data_ptr(), x.stride(0), h.data_ptr(), h.stride(0),
+                                        r, d, gain.data_ptr(), eps, total.data_ptr(),
+                                        out.data_ptr())
+    return total, out
+
+
+def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for [R, D] halves of one projection (the same row stride)."""
+    r, d = gate.shape
+    if up.shape != gate.shape or up.stride(0) != gate.stride(0):
+        raise ValueError("gate and up must be halves of one projection's rows")
+    out = torch.empty(r, d, dtype=torch.float32)
+    function("tandem_silu_mul_rows_f32")(gate.data_ptr(), up.data_ptr(), gate.stride(0), r, d,
+                                         out.data_ptr())
+    return out

@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from tandem import kernels
 from tandem.kernels import decode as decode_ops, reference
 from tandem.kernels.decode import each_row
+from tandem.kernels import native as native_ops
 from tandem.kernels.native import digest as native_digest
 from tandem.kernels.native import fits as native_fits
 from tandem.kernels.native import rows_f32 as native_rows
+from tandem.kernels.native import rows_fit as native_rows_fit
 from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
 from tandem.models.base import Cost, ModelError, ModelState, View
 
@@ -242,6 +244,7 @@ class HybridModel:
         self._k = [f"layers.{i}." for i in range(len(config.layer_types))]
         self._wt = self._decode_transposed()
         self._eps = _scalar(config.rms_norm_eps)
+        self._eps_value = float(self._eps)  # the same fp32 value, for the native row ops
         self._l2_eps = _scalar(1e-6)  # reference.l2norm's
         self._q_scale = _scalar(config.linear_key_head_dim ** -0.5)
 
@@ -737,7 +740,8 @@ class HybridModel:
         keys = [s.views["K"].tensor for s in states]
         values = [s.views["V"].tensor for s in states]
         x = self._step_layers(x, n, turns, positions, keys, values, tails, recur, None)
-        x = _rms_rows(x, self._gain["norm.weight"], self._eps)
+        _, x = self._residual_norm(x, None, "norm.weight",
+                                   decode_ops.block() == 1 and native_rows_fit(x))
         logits = self._linear(x, "lm_head.weight")
         logits = logits if x.shape[0] == n else logits[:n]
         return logits if logits.dtype == torch.float32 else logits.float()
@@ -784,7 +788,8 @@ class HybridModel:
         x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device),
                         self.w["embed_tokens.weight"])
         x = self._step_layers(x, len(ids), turns, at, keys, values, None, None, ragged)
-        x = _rms_rows(x, self._gain["norm.weight"], self._eps)
+        _, x = self._residual_norm(x, None, "norm.weight",
+                                   decode_ops.block() == 1 and native_rows_fit(x))
         logits: list[torch.Tensor | None] = [None] * len(blocks)
         first = [0]
         for b in blocks:
@@ -855,9 +860,14 @@ class HybridModel:
         half = c.rotary_dim // 2
         sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
+        # On the native kernels (fp32 on the CPU) each residual add runs with the norm after it
+        # and the MLP's silu with its product, one call each (csrc/norms.c); torch's path keeps
+        # its own ops, and its bits, as they were.
+        fast = decode_ops.block() == 1 and native_rows_fit(x)
+        out = None  # the last block's output, not yet added to x
         for i, kind in enumerate(c.layer_types):
             p = k[i]
-            h = _rms_rows(x, self._gain[p + "input_layernorm.weight"], self._eps)
+            x, h = self._residual_norm(x, out, p + "input_layernorm.weight", fast)
             if kind == "linear_attention":
                 slot = self._slot[i]
                 if ragged is None:
@@ -866,16 +876,26 @@ class HybridModel:
                     h = self._gdn_rows(i, h, None, None, ragged)
             else:
                 h = self._attention_rows(i, h, keys, values, positions, cos, sin)
-            x = x + h
-            h = _rms_rows(x, self._gain[p + "post_attention_layernorm.weight"], self._eps)
+            x, h = self._residual_norm(x, h, p + "post_attention_layernorm.weight", fast)
             if c.is_moe_layer(i):
-                h = torch.cat([self._moe(i, h[b:b + 1]) for b in range(n)]
-                              + ([h.new_zeros(rows - n, h.shape[1])] if rows > n else []))
+                out = torch.cat([self._moe(i, h[b:b + 1]) for b in range(n)]
+                                + ([h.new_zeros(rows - n, h.shape[1])] if rows > n else []))
             else:
                 gate, up = self._project(p + "mlp.gate_up", h)
-                h = self._linear(each_row(F.silu, gate) * up, p + "mlp.down_proj.weight")
-            x = x + h
-        return x
+                act = (native_ops.silu_mul_rows(gate, up) if fast and native_rows_fit(gate, up)
+                       else each_row(F.silu, gate) * up)
+                out = self._linear(act, p + "mlp.down_proj.weight")
+        return x + out
+
+    def _residual_norm(self, x: torch.Tensor, h: torch.Tensor | None, gain: str,
+                       fast: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x + h`` (x itself when h is None) and its rms norm by ``gain``."""
+        if fast and (h is None or native_rows_fit(h)):
+            if h is None:
+                return x, native_ops.rms_rows(x, self._gain[gain], self._eps_value)
+            return native_ops.add_rms_rows(x, h, self._gain[gain], self._eps_value)
+        x = x if h is None else x + h
+        return x, _rms_rows(x, self._gain[gain], self._eps)
 
     def _gdn_rows(self, i: int, h: torch.Tensor, tails: list[torch.Tensor] | None,
                   recur: list[torch.Tensor] | None,

@@ -92,3 +92,27 @@ def test_a_build_that_fails_leaves_decode_on_torch(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert native._load() is None
     assert native.available() is False
+
+
+def test_the_row_ops_are_torchs_to_fp32_rounding_and_each_row_its_own():
+    gen = torch.Generator().manual_seed(4)
+    for d in (64, 200, 1024):
+        x = torch.randn(5, d, generator=gen)
+        h = torch.randn(5, 2 * d, generator=gen)[:, :d]  # rows apart, as a projection's slice
+        gain = 1.0 + torch.randn(d, generator=gen) * 0.1
+        eps = 1e-6
+        want = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * gain
+        got = native.rms_rows(x, gain, eps)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        total, normed = native.add_rms_rows(x, h, gain, eps)
+        assert torch.equal(total, x + h)
+        assert torch.allclose(normed, native.rms_rows(x + h, gain, eps), rtol=0, atol=0)
+        gate_up = torch.randn(5, 2 * d, generator=gen) * 4
+        gate, up = gate_up.split([d, d], dim=1)
+        act = native.silu_mul_rows(gate, up)
+        assert torch.allclose(act, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+        for r in range(5):  # a row alone is the bits it gets among the others
+            assert torch.equal(native.rms_rows(x[r:r + 1], gain, eps)[0], got[r])
+            assert torch.equal(native.add_rms_rows(x[r:r + 1], h[r:r + 1], gain, eps)[1][0],
+                               normed[r])
+            assert torch.equal(native.silu_mul_rows(gate[r:r + 1], up[r:r + 1])[0], act[r])

@@ -1,0 +1,66 @@
+/* Decode's per-row elementwise steps between its matmuls, for fp32 rows (tandem/kernels/native.py
+   loads them; HybridModel's decode step calls them where the native kernels are on). A row's
+   result is a function of that row alone: one loop a row, the same for any number of rows, so
+   they are batch-invariant by construction. Nothing is compiled with -ffast-math. */
+#include <immintrin.h>
+#include <math.h>
+
+static inline float tree1(__m512 a) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+
+static inline __mmask16 tail_mask(long left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+}
+
+/* out = x * rsqrt(mean(x * x) + eps) * gain over one row of d. */
+static inline void rms_row(const float *x, long d, const float *gain, float eps, float *out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (long i = 0; i < d; i += 16) {
+    __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - i), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float r = 1.0f / sqrtf(tree1(acc) / (float)d + eps);
+  __m512 rv = _mm512_set1_ps(r);
+  for (long i = 0; i < d; i += 16) {
+    __mmask16 m = tail_mask(d - i);
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, gain + i)));
+  }
+}
+
+/* rows rows of d: out[r] = rms(x[r]) * gain (x rows ldx apart, out contiguous). */
+void tandem_rms_rows_f32(const float *x, long ldx, long rows, long d, const float *gain,
+                         float eps, float *out) {
+  for (long r = 0; r < rows; r++) rms_row(x + r * ldx, d, gain, eps, out + r * d);
+}
+
+/* The residual and the next norm: sum[r] = x[r] + h[r], out[r] = rms(sum[r]) * gain (x, h rows
+   ldx, ldh apart; sum, out contiguous). */
+void tandem_add_rms_rows_f32(const float *x, long ldx, const float *h, long ldh, long rows,
+                             long d, const float *gain, float eps, float *sum, float *out) {
+  for (long r = 0; r < rows; r++) {
+    float *s = sum + r * d;
+    for (long i = 0; i < d; i += 16) {
+      __mmask16 m = tail_mask(d - i);
+      _mm512_mask_storeu_ps(s + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + r * ldx + i),
+                                                    _mm512_maskz_loadu_ps(m, h + r * ldh + i)));
+    }
+    rms_row(s, d, gain, eps, out + r * d);
+  }
+}
+
+/* out[r] = silu(gate[r]) * up[r] = gate / (1 + exp(-gate)) * up (gate, up rows ldg apart, as a
+   fused gate_up projection's halves lie; out contiguous). */
+void tandem_silu_mul_rows_f32(const float *gate, const float *up, long ldg, long rows, long d,
+                              float *out) {
+  for (long r = 0; r < rows; r++) {
+    const float *g = gate + r * ldg, *u = up + r * ldg;
+    float *o = out + r * d;
+    for (long i = 0; i < d; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+  }
+}
