@@ -91,7 +91,8 @@ def _build(cc: str) -> Path:
 
 
 def _sources_bytes() -> bytes:
-    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
+    headers = sorted(SOURCES[0].parent.glob("*.h")) if SOURCES else []
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES + headers)
 
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float

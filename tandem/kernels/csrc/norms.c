@@ -5,13 +5,8 @@
 #include <immintrin.h>
 #include <math.h>
 
-static inline float tree1(__m512 a) {
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
-}
+#include "lanes.h"
+
 
 static inline __mmask16 tail_mask(long left) {
   return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);

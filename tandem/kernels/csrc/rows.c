@@ -11,13 +11,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-static inline float tree1(__m512 a) {
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
-}
+#include "lanes.h"
+
 
 /* 16 accumulators to one vector of their 16 sums, each by tree1's pairs; lane order PERM. */
 static inline __m512 tree16(const __m512 *a) {
