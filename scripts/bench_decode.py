@@ -7,11 +7,12 @@ Prints, in one run and for each model:
   projection and the head, once, in the order a token reads them), timed as one pass: the
   model's bytes at numpy's rate, in GB/s and tokens/s;
 - decode tokens/s before (the path tandem decoded with until issue 14: the prefill path at one
-  token with the conv and recurrent step kernels, a GEMV per projection) and after (the batched
-  step at B = 1: fused projections, matmuls at 2 rows), alternated in rounds, each over the
-  bound;
+  token with the conv and recurrent step kernels, a GEMV per projection), on torch's matmuls
+  (the batched step at B = 1: fused projections, MKL at 2 rows) and on the native kernels
+  (tandem.kernels.native: one call for any rows, the row ops fused; where they build),
+  alternated in rounds, each over the bound;
 - aggregate tokens/s of forward_batch over B = 1, 2, 4 sequences (each its own state), and each
-  over B = 1.
+  over B = 1, on torch's matmuls and on the native kernels.
 
 The 0.8B-like checkpoint is written once (tandem.models.tiny's recipe at those dims, 3.0 GB) to
 ``--dir`` and loaded as a real one is, its weights mapped from the file.
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tandem import kernels
+from tandem.kernels import decode, native
 from tandem.models import load_model
 from tandem.models.hybrid import HybridModel, rms_norm
 from tandem.models.tiny import TINY_CONFIG, _weights
@@ -110,11 +112,18 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
           f"{torch.get_num_threads()}")
     print(f"  bound: numpy matvec over the same matrices, {bound_gbs:.1f} GB/s = "
           f"{bound_tok_s:.1f} tok/s")
-    window = prompt_len + (rounds * 2 + 2) * (tokens + 1) + 8
+    window = prompt_len + (rounds * 3 + 2) * (tokens + 1) + 8  # three paths a round
     prompt = torch.randint(0, model.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(1))
-    paths = {"before": lambda s, t, p: _before(model, s, t, p),
-             "after": lambda s, t, p: model.forward(s, torch.tensor([t]), p, decode=True)}
+    def decoded(on_native: bool):
+        def run(s, t, p):
+            decode.set_native(on_native)
+            return model.forward(s, torch.tensor([t]), p, decode=True)
+        return run
+
+    paths = {"before": lambda s, t, p: _before(model, s, t, p), "torch": decoded(False)}
+    if native.available():
+        paths["native"] = decoded(True)
     with torch.inference_mode():
         state = model.new_state(window)
         model.forward(state, prompt, 0)
@@ -135,30 +144,37 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
             best = max(r)
             print(f"  decode {label:6s}: {' '.join(f'{x:.1f}' for x in r)} tok/s; best {best:.1f}"
                   f" = {best * nbytes / 1e9:.1f} GB/s, {best / bound_tok_s:.2f} of the bound")
-        print(f"  after over before (best of each): "
-              f"{max(runs['after']) / max(runs['before']):.2f}x")
+        last = list(runs)[-1]
+        print(f"  {last} over before / over torch (best of each): "
+              f"{max(runs[last]) / max(runs['before']):.2f}x / "
+              f"{max(runs[last]) / max(runs['torch']):.2f}x")
+        for matmuls in (["torch", "native"] if native.available() else ["torch"]):
+            decode.set_native(matmuls == "native")
+            _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls)
 
-        rates = {}
-        for b in (1, 2, 4):
-            states = []
-            for _ in range(b):  # copies of the prompt's state
-                s = model.new_state(window)
-                for k, v in state.views.items():
-                    s.views[k].tensor.copy_(v.tensor)
-                states.append(s)
-            best = 0.0
-            for _ in range(rounds):
-                for s in states:
-                    for k, t in base.items():
-                        s.sections[k].copy_(t)
-                model.forward_batch(states, [100] * b, [prompt_len] * b)  # warm
-                t0 = time.perf_counter()
-                for i in range(tokens // 2):
-                    model.forward_batch(states, [101 + i] * b, [prompt_len + 1 + i] * b)
-                best = max(best, b * (tokens // 2) / (time.perf_counter() - t0))
-            rates[b] = best
-        print("  forward_batch aggregate: " + "; ".join(
-            f"B={b} {r:.1f} tok/s ({r / rates[1]:.2f}x)" for b, r in rates.items()))
+
+def _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls) -> None:
+    rates = {}
+    for b in (1, 2, 4):
+        states = []
+        for _ in range(b):  # copies of the prompt's state
+            s = model.new_state(window)
+            for k, v in state.views.items():
+                s.views[k].tensor.copy_(v.tensor)
+            states.append(s)
+        best = 0.0
+        for _ in range(rounds):
+            for s in states:
+                for k, t in base.items():
+                    s.sections[k].copy_(t)
+            model.forward_batch(states, [100] * b, [prompt_len] * b)  # warm
+            t0 = time.perf_counter()
+            for i in range(tokens // 2):
+                model.forward_batch(states, [101 + i] * b, [prompt_len + 1 + i] * b)
+            best = max(best, b * (tokens // 2) / (time.perf_counter() - t0))
+        rates[b] = best
+    print(f"  forward_batch aggregate, {matmuls} matmuls: " + "; ".join(
+        f"B={b} {r:.1f} tok/s ({r / rates[1]:.2f}x)" for b, r in rates.items()))
 
 
 def main() -> None:

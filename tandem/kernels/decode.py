@@ -18,13 +18,19 @@ models' shapes):
   248k x 256, 58 at hidden 1,024 in cache, 1.3-1.4x on tiny's small layers), at M = 3 about
   10 % slower on a head (28.6, 30.1) and at M = 4 half (15.4, 17.0).
 
-So every call runs at exactly BLOCK = 2 rows: a lone row is padded (a copy of itself, its result
-dropped), more go in pairs, an odd last row taking its predecessor again (the same bits twice).
-One sequence's decode runs this very path at B = 1, so alone and batched are the same bits; a
-step reads the weights ceil(B / 2) times, each at the GEMV's rate: B = 2 and 4 decode 2x one
-sequence's tokens a second, as 3 rows a call would at B = 4 while costing one sequence 10 %.
-HybridModel.forward_batch carries a lone sequence's pad row itself, from the embedding on, so
-that its calls take their two rows as they are.
+So on torch's path every call runs at exactly TORCH_BLOCK = 2 rows: a lone row is padded (a
+copy of itself, its result dropped), more go in pairs, an odd last row taking its predecessor
+again (the same bits twice). One sequence's decode runs this very path at B = 1, so alone and
+batched are the same bits; a step reads the weights ceil(B / 2) times, each at the GEMV's rate:
+B = 2 and 4 decode 2x one sequence's tokens a second. HybridModel.forward_batch carries a lone
+sequence's pad row itself, from the embedding on, so that its calls take their two rows as they
+are.
+
+Where tandem.kernels.native builds (fp32 on an AVX-512 CPU with a C compiler: this machine, and
+CI), decode's fp32 matmuls run on it instead: each output's arithmetic is fixed by construction,
+so one call takes any number of rows, the weights are read once a step for the whole batch, and
+a lone sequence needs no pad (``block()`` is 1). B = 4 then decodes 3.4x to 3.6x one sequence's
+tokens a second on `tiny` (``scripts/bench_decode.py``), against 2.0x on torch's path.
 
 A lone token's step on `tiny` spends more in per-call overhead (about 1 us a torch call, some
 600 calls) than in its layers' weights, so these kernels and the model's step take the fewest
