@@ -102,6 +102,8 @@ SIGNATURES: dict[str, list] = {
     "tandem_rms_rows_f32": [_P, _L, _L, _L, _P, _F, _P],
     "tandem_add_rms_rows_f32": [_P, _L, _P, _L, _L, _L, _P, _F, _P, _P],
     "tandem_silu_mul_rows_f32": [_P, _P, _L, _L, _L, _P],
+    "tandem_attn_rows_f32": [_P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, _P, _P, _F, _P, _P,
+                             _P, _P, _L, _P, _F, _P, _P],
 }
 
 
@@ -220,4 +222,32 @@ def silu_mul_rows(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(r, d, dtype=torch.float32)
     function("tandem_silu_mul_rows_f32")(gate.data_ptr(), up.data_ptr(), gate.stride(0), r, d,
                                          out.data_ptr())
+    return out
+
+
+def attention_rows(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+                   kv_heads: int, head_dim: int, q_gain: torch.Tensor, k_gain: torch.Tensor,
+                   eps: float, cos: torch.Tensor, sin: torch.Tensor, keys: list[torch.Tensor],
+                   values: list[torch.Tensor], positions: list[int],
+                   scale: float) -> torch.Tensor:
+    """Decode's gated attention over R rows (csrc/attn.c): row r's q and gate heads in qg [R,
+    nh * 2hd], its k and v heads in k, v [R, nkv * hd] (rows of one projection), its rotary
+    cos and sin [R, rd] (sin's first half negated); it writes its normed, rotated key and its
+    value at ``positions[r]`` of ``keys[r]``/``values[r]`` ([nkv, window, hd] fp32, contiguous)
+    and attends over that sequence's rows up to it. Returns [R, nh * hd], the attention times
+    sigmoid(gate)."""
+    rows, rd = qg.shape[0], cos.shape[1]
+    if head_dim > 1024 or not all(t.is_contiguous() and t.dtype == torch.float32
+                                  for t in (*keys, *values, cos, sin, q_gain, k_gain)):
+        raise ValueError("attention_rows takes contiguous fp32 rows of head_dim <= 1024")
+    out = torch.empty(rows, heads * head_dim, dtype=torch.float32)
+    scores = torch.empty(max(positions) + 1, dtype=torch.float32)
+    kptr = (ctypes.c_long * rows)(*(t.data_ptr() for t in keys))
+    vptr = (ctypes.c_long * rows)(*(t.data_ptr() for t in values))
+    at = (ctypes.c_long * rows)(*positions)
+    function("tandem_attn_rows_f32")(
+        qg.data_ptr(), qg.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows,
+        heads, kv_heads, head_dim, rd, q_gain.data_ptr(), k_gain.data_ptr(), eps,
+        cos.data_ptr(), sin.data_ptr(), kptr, vptr, keys[0].stride(0), at, scale,
+        scores.data_ptr(), out.data_ptr())
     return out

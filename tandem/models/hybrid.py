@@ -967,6 +967,15 @@ class HybridModel:
         if c.attention_bias:
             k, qg, v = (t + w[f"{p}{name}.bias"] for t, name in
                         ((k, "k_proj"), (qg, "q_proj"), (v, "v_proj")))
+        if decode_ops.block() == 1 and native_rows_fit(qg, k, v) and cos.dtype == torch.float32:
+            # one native call: the norms, the rotation, the row writes, attention and its gate
+            out = native_ops.attention_rows(
+                qg, k, v, nh, nkv, hd, self._gain[p + "q_norm.weight"],
+                self._gain[p + "k_norm.weight"], self._eps_value, cos[:, 0].contiguous(),
+                sin[:, 0].contiguous(), [t[slot] for t in keys[:n]],
+                [t[slot] for t in values[:n]], positions, hd ** -0.5)
+            out = self._linear(out, p + "o_proj.weight")
+            return out + w[p + "o_proj.bias"] if c.attention_bias else out
         qg = qg.view(n, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:]
         # a copy, as the sigmoid read it before (on its view, a head at a time, it rounds a

@@ -109,3 +109,28 @@ def test_fused_projections_alias_the_checkpoints_bytes_and_copy_none(small):
         for part, name in zip(torch.split(weight, sizes), names):
             assert part.data_ptr() == small.w[name].data_ptr()
             assert torch.equal(part, small.w[name])
+
+
+def test_the_native_step_is_torchs_to_its_rounding_with_the_same_greedy_tokens(model):
+    """Gate: states written by decoding, identical greedy tokens. The native kernels (matmuls,
+    row ops, attention; tandem.kernels.native) round otherwise than torch's ops, so the two
+    paths' logits agree to within 5e-5 of the largest, not in their bits."""
+    from tandem.kernels import decode, native
+
+    if not native.available():
+        pytest.skip("the native kernel does not build on this machine")
+    seqs = _prefilled(model)[:4]
+    before = decode.block() == 1
+    try:
+        with torch.inference_mode():
+            runs = {}
+            for on in (True, False):
+                decode.set_native(on)
+                runs[on] = _alone(model, seqs)
+    finally:
+        decode.set_native(before)
+    (fast, fast_tokens, _), (slow, slow_tokens, _) = runs[True], runs[False]
+    assert fast_tokens == slow_tokens
+    for rows_fast, rows_slow in zip(fast, slow):
+        for a, b in zip(rows_fast, rows_slow):
+            assert float((a - b).abs().max() / b.abs().max()) < 5e-5
