@@ -128,6 +128,11 @@ class EngineConfig(_Section):
     dtype: Annotated[Literal["auto", "float32", "bfloat16", "float16"], Meta(description=(
         "Weights and activations dtype; auto: float32 on a CPU, bfloat16 on a GPU."
         ))] = "auto"
+    native_kernels: Annotated[bool, Meta(description=(
+        "Decode's fp32 CPU work (matmuls, norms, attention) on tandem's own AVX-512 kernels, "
+        "built by the machine's C compiler at first use, where they build; off keeps torch's "
+        "ops. The two round differently; each gives a row the same bits in any batch."
+        ))] = True
     device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
         "Where the engine runs: auto (the first CUDA device when torch sees one, else the "
         "CPU), cpu, cuda or cuda:N. A CUDA device the machine lacks is an error at start. On "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 
+import structlog
 import torch
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -76,11 +77,17 @@ def host_clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine_device(config) -> torch.device:
-    """The config's ``device`` knob resolved; a device the machine lacks is a ConfigError that
-    names the knob (the CLI prints it and exits 2, before any model is read)."""
+    """The config's ``device`` knob resolved, and decode's CPU kernels set by its
+    ``native_kernels``, before any model is read; a device the machine lacks is a ConfigError
+    that names the knob (the CLI prints it and exits 2)."""
     from tandem.config import KNOBS, ConfigError
+    from tandem.kernels import decode
 
     try:
-        return resolve_device(config.engine.device)
+        device = resolve_device(config.engine.device)
     except DeviceUnavailable as exc:
         raise ConfigError(f"{exc} (knob {KNOBS['device'].spellings()})") from None
+    on = decode.set_native(config.engine.native_kernels)
+    structlog.get_logger(__name__).info("decode_kernels", kernels="native" if on else "torch",
+                                        asked=config.engine.native_kernels)
+    return device

@@ -116,3 +116,24 @@ def test_the_row_ops_are_torchs_to_fp32_rounding_and_each_row_its_own():
             assert torch.equal(native.add_rms_rows(x[r:r + 1], h[r:r + 1], gain, eps)[1][0],
                                normed[r])
             assert torch.equal(native.silu_mul_rows(gate[r:r + 1], up[r:r + 1])[0], act[r])
+
+
+def test_the_knob_off_keeps_decode_on_torchs_path_and_on_takes_the_kernel():
+    import msgspec
+
+    from tandem.config import Config
+    from tandem.devices import engine_device
+
+    before = decode.block() == 1
+    try:
+        off = Config()
+        off = msgspec.structs.replace(
+            off, engine=msgspec.structs.replace(off.engine, native_kernels=False, device="cpu"))
+        engine_device(off)
+        assert decode.block() == decode.TORCH_BLOCK
+        on = msgspec.structs.replace(off, engine=msgspec.structs.replace(off.engine,
+                                                                         native_kernels=True))
+        engine_device(on)
+        assert decode.block() == 1
+    finally:
+        decode.set_native(before)
