@@ -241,6 +241,9 @@ class HybridModel:
         self._eps = _scalar(config.rms_norm_eps)
         self._l2_eps = _scalar(1e-6)  # reference.l2norm's
         self._q_scale = _scalar(config.linear_key_head_dim ** -0.5)
+        # The captured decode and verify steps (tandem.models.graphs.StepGraphs) on a CUDA
+        # device with cuda_graphs on; None: every step runs eagerly (always on a CPU).
+        self.graphs = None
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -713,6 +716,8 @@ class HybridModel:
         the pad row's conv, recurrence and attention outputs are zeros (it has no state), and
         its results are dropped. A row's bits at BLOCK rows are its own whatever the other row
         holds, so the lone sequence's logits are those it gets in any batch."""
+        if self.graphs is not None and self.graphs.takes(self):
+            return self.graphs.decode(self, states, token_ids, positions, rope_offsets)
         n = len(states)
         embed = self.w["embed_tokens.weight"]
         if n == 1 and 0 <= token_ids[0] < embed.shape[0]:
@@ -767,6 +772,8 @@ class HybridModel:
             logits = self.forward_batch(states, [b[0] for b in blocks], positions,
                                         rope_offsets=rope_offsets)
             return [row[None] for row in logits], [None] * len(blocks)
+        if self.graphs is not None and self.graphs.takes(self):
+            return self.graphs.verify(self, states, blocks, positions, rope_offsets, verify)
         ragged = _Ragged(states, blocks, verify, self.device)
         ids = [t for b in blocks for t in b]
         offsets = rope_offsets or [0] * len(blocks)
@@ -823,14 +830,16 @@ class HybridModel:
     def _step_layers(self, x: torch.Tensor, n: int, turns: list[int], positions: list[int],
                      keys: list[torch.Tensor], values: list[torch.Tensor],
                      tails: list | None, recur: list | None,
-                     ragged: "_Ragged | None") -> torch.Tensor:
+                     ragged: "_Ragged | None", attend=None) -> torch.Tensor:
         """The layers of a step over ``n`` rows (x may carry a pad row past them): row r turns
         at ``turns[r]`` and writes its K/V row at ``positions[r]`` of ``keys[r]``/``values[r]``.
         The GDN layers run on ``tails``/``recur`` (a sequence a row, forward_batch) or on
-        ``ragged``'s per-row states (forward_ragged)."""
+        ``ragged``'s per-row states (forward_ragged). A captured step (models/graphs.py) gives
+        ``turns`` as a device tensor and its own ``attend``, which reads positions from one."""
         c, k = self.config, self._k
         rows = x.shape[0]
-        pos = torch.tensor(turns, dtype=torch.float32, device=self.device)
+        pos = (turns if isinstance(turns, torch.Tensor)
+               else torch.tensor(turns, dtype=torch.float32, device=self.device))
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
@@ -855,7 +864,7 @@ class HybridModel:
                 else:
                     h = self._gdn_rows(i, h, None, None, ragged)
             else:
-                h = self._attention_rows(i, h, keys, values, positions, cos, sin)
+                h = self._attention_rows(i, h, keys, values, positions, cos, sin, attend)
             x = x + h
             h = _rms_rows(x, self._gain[p + "post_attention_layernorm.weight"], self._eps)
             if c.is_moe_layer(i):
@@ -928,7 +937,7 @@ class HybridModel:
 
     def _attention_rows(self, i: int, h: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
-                        sin: torch.Tensor) -> torch.Tensor:
+                        sin: torch.Tensor, attend=None) -> torch.Tensor:
         c, w, p = self.config, self.w, f"layers.{i}.self_attn."
         slot = self._slot[i]
         n, hd = h.shape[0], c.head_dim
@@ -952,8 +961,9 @@ class HybridModel:
         kr.copy_(kr * cos + kr.roll(half, -1) * sin)
         q5 = q[:, None, :, None]  # [R, 1, nh, 1, hd]: row b is SDPA's [1, nh, 1, hd]
         scale = hd ** -0.5
-        out = []
-        for b, at in enumerate(positions):
+        # a captured step's attention reads the positions from the device (models/graphs.py)
+        out = [] if attend is None else attend(slot, q5, k, v, keys, values, scale)
+        for b, at in enumerate(positions if attend is None else ()):
             kbuf, vbuf = keys[b][slot], values[b][slot]
             kbuf[:, at] = k[b]
             vbuf[:, at] = v[b]
@@ -980,10 +990,12 @@ class _Ragged:
     verify row on ``work[b][name][t]``, a copy of the state before it, kept (the steps)."""
 
     def __init__(self, states: list[ModelState], blocks: list[list[int]], verify: list[bool],
-                 device):
+                 device, work: list[dict[str, torch.Tensor] | None] | None = None):
+        """``work``: the verify blocks' copies, given (a captured step's, models/graphs.py,
+        which lie where its graph reads them); by default made here."""
         self.sections = [{name: s.sections[name].unbind(0) for name in ("gdn.conv", "gdn.S")}
                          for s in states]
-        self.work: list[dict[str, torch.Tensor] | None] = [
+        self.work: list[dict[str, torch.Tensor] | None] = work if work is not None else [
             {name: s.sections[name].new_empty((len(b),) + tuple(s.sections[name].shape))
              for name in ("gdn.conv", "gdn.S")} if v else None
             for s, b, v in zip(states, blocks, verify)]
