@@ -455,6 +455,17 @@ def graphs_wanted(mode: str, device: torch.device) -> bool:
     return mode != "off" and device.type == "cuda"
 
 
+def engine_graphs(config, device: torch.device) -> bool:
+    """The config's ``cuda_graphs`` on the resolved device; ``on`` without CUDA is a
+    ConfigError naming the knob (the CLI prints it and exits 2, before any model is read)."""
+    from tandem.config import KNOBS, ConfigError
+
+    try:
+        return graphs_wanted(config.engine.cuda_graphs, device)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (knob {KNOBS['cuda_graphs'].spellings()})") from None
+
+
 def attach(model, mode: str) -> StepGraphs | None:
     """Give ``model`` its graphs where the knob wants them (None elsewhere: eager steps)."""
     if not graphs_wanted(mode, model.device):
