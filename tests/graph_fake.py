@@ -6,8 +6,9 @@ graph's, reads and writes the memory the capture saw, with every Python value of
 replays the captured position, and its replays then differ from its eager steps.
 
 A capture also refuses what a CUDA capture cannot hold: a host sync (``.item()``, ``int(t)``,
-``bool(t)``, nonzero) and a tensor made from host data (``torch.tensor([...])``), which on a
-device is a pageable copy the graph would replay with the captured bytes.
+``bool(t)``, nonzero) and an array made from host data (``torch.tensor([...])``), which on a
+device is a pageable copy the graph would replay with the captured bytes (a 0-dim one is a
+scalar, which a kernel takes as an argument).
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SYNCS:
             raise NotCapturable(f"{func} in a captured step: a host sync")
-        if func in HOST_DATA:
+        if func in HOST_DATA and args[0].dim() > 0:
+            # a 0-dim host tensor is a scalar a CUDA kernel takes as an argument (a constant,
+            # as the graph keeps it); an array would be a copy to the device
             raise NotCapturable(f"{func} in a captured step: a tensor made from host data")
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out, _kind(func, args, kwargs, out)))
