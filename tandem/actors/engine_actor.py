@@ -490,7 +490,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
     def _build(self) -> Engine:
         """On the engine thread: the engine and the caches that own copies of its state."""
         engine = self._make_engine()
-        graphs = getattr(engine.model, "graphs", None)
+        graphs = getattr(getattr(engine, "model", None), "graphs", None)
         if graphs is not None:
             graphs.gate = self._capture_gate
         self._build_parts(0, engine)
