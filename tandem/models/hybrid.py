@@ -273,8 +273,11 @@ class HybridModel:
             return _model_name(name, config)
 
         fp8_device = device if fp8 is not None and _fp8_on(device) else None
-        weights, report = checkpoint.read_weights(model_dir, rename, dtype, fp8,
-                                                  fp8_device=fp8_device)
+        # where the device multiplies FP8, the language model's matrices stay FP8 (models/
+        # fp8.py); the stacked experts and the vision tower are dequantised
+        weights, report = checkpoint.read_weights(
+            model_dir, rename, dtype, fp8, fp8_device=fp8_device,
+            keep_fp8=lambda n: not n.startswith("visual.") and ".experts." not in n)
         images = None
         if with_tower:
             tower = {k[len("visual."):]: weights.pop(k) for k in list(weights)
@@ -292,7 +295,7 @@ class HybridModel:
                  nbytes=sum(t.numel() * t.element_size() for t in held),
                  files=report.files, tensors=report.tensors, skipped_tensors=report.skipped,
                  quantization=fp8.describe() if fp8 else "none",
-                 dequantized_tensors=report.dequantized,
+                 dequantized_tensors=report.dequantized, fp8_tensors=report.native,
                  vision_tower=images.describe() if images else "none")
         return model
 
@@ -1093,8 +1096,9 @@ def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
     ``self.w`` (prefill reads them there) for the model's life and keep that memory alive."""
     first = parts[0]
     cols = first.shape[-1]
-    if not all(t.dim() == 2 and t.shape[1] == cols and t.dtype == first.dtype
-               and t.device.type == "cpu" and t.is_contiguous() for t in parts):
+    if not all(type(t) is torch.Tensor and t.dim() == 2 and t.shape[1] == cols
+               and t.dtype == first.dtype and t.device.type == "cpu" and t.is_contiguous()
+               for t in parts):  # an FP8 weight (models/fp8.py) multiplies alone
         return None
     if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
         return None
