@@ -150,7 +150,9 @@ class _Entry:
 
 
 class _Arena:
-    """One sequence's verify work: every section's value after each position of a block."""
+    """One sequence's verify work: every section's value after each position of a block. An
+    entry whose graph writes it keeps it alive (``keep``), and its address is in that entry's
+    key, so no graph ever writes an arena let go."""
 
     def __init__(self, state: ModelState, rows: int) -> None:
         self.rows = rows
@@ -179,6 +181,15 @@ class StepGraphs:
     def statistics(self) -> dict:
         return dict(self.counts, graphs=sum(e.graph is not None for e in self.entries.values()),
                     shapes=len(self.entries), arenas=len(self._arenas))
+
+    def check_invariants(self) -> None:
+        """At most max_graphs shapes and max_arenas arenas; a verify graph keeps alive every
+        arena it writes, and those are the arenas its key names (so it replays on them only)."""
+        assert len(self.entries) <= self.max_graphs and len(self._arenas) <= self.max_arenas
+        for key, entry in self.entries.items():
+            if key.kind == "verify" and entry.graph is not None:
+                kept = tuple(work["gdn.S"].data_ptr() for work in entry.keep[-1])
+                assert kept == key.memory[-1], "a verify graph writes an arena it does not keep"
 
     def takes(self, model) -> bool:
         """Whether ``model``'s steps run here: on the backend's device, no layer a mixture of
@@ -218,9 +229,13 @@ class StepGraphs:
         spans = tuple(span(a, _window(s)) for s, b, p in zip(states, blocks, positions)
                       for a in range(p, p + len(b)))
         memory = tuple(_memory(s) for s in states)
-        key = GraphKey("verify", tuple(len(b) for b in blocks), tuple(verify), spans, memory)
         arenas = [self._arena(m, s, len(b)) if v else None
                   for m, s, b, v in zip(memory, states, blocks, verify)]
+        # the arenas' addresses too: a graph writes the arena it was captured on, and one
+        # grown or let go and made again lies elsewhere
+        where = tuple(a.work["gdn.S"].data_ptr() for a in arenas if a is not None)
+        key = GraphKey("verify", tuple(len(b) for b in blocks), tuple(verify), spans,
+                       memory + (where,))
         values = ids + at + [o for o, b in zip(offsets, blocks) for _ in b]
         return self._run(model, key, values, lambda entry: _verify_step(
             model, states, blocks, verify, arenas, entry, spans),
@@ -417,7 +432,7 @@ def _verify_step(model, states: list[ModelState], blocks: list[list[int]], verif
             group.append(b)
     decoded = [ragged.rows[r][0] for r in ragged.decode_rows]
     entry.keep = [arange, ragged.decode_index, [i for _, i in ragged.waves],
-                  [i for _, i in groups]]
+                  [i for _, i in groups], [a.work for a in arenas if a is not None]]
     embed = model.w["embed_tokens.weight"]
 
     def step() -> tuple[list[torch.Tensor], list]:

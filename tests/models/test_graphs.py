@@ -62,6 +62,8 @@ def _script(model, graphs, batch: int, device="cpu", steps: int = 10):
         out.append(engines[-1].decode(token))
     for e in engines:
         e.settle()
+    if graphs is not None:
+        graphs.check_invariants()
     model.graphs = None
     return [t.cpu() for t in out], engines
 
@@ -165,6 +167,35 @@ def test_a_longer_block_grows_the_sequences_arena_and_drops_the_shapes_that_wrot
     e.verify((1, 2, 3, 4))  # its arena grows: the two-row shape's graph wrote the old one
     assert [k.blocks for k in graphs.entries] == [(4,)] and graphs.counts["evicted"] == 1
     small.graphs = None
+
+
+def test_a_graph_never_writes_an_arena_let_go(small):
+    """More verify blocks in a batch than arenas kept: each step lets one go and makes it
+    again elsewhere; the graphs of the old addresses are never replayed on the new ones."""
+    def run(graphs):
+        small.graphs = graphs
+        engines = [Engine(small, window=WINDOW, prefix_chunk=64) for _ in range(2)]
+        for i, e in enumerate(engines):
+            e.prefill(list(range(20 + i, 60)))
+        out = []
+        for accept in (0, 1, 0, 2, 0):
+            out += decode_batch([VerifyStep(e, (4, 5, 6)) for e in engines])
+            graphs.check_invariants()
+            for e in engines:
+                e.accept(accept)
+        for e in engines:
+            e.settle()
+        small.graphs = None
+        return out, engines
+
+    graphs = StepGraphs(RecordedGraphs(), capture_after=1, max_arenas=1)
+    got, a = run(graphs)
+    want, b = run(_declining(RecordedGraphs()))
+    assert graphs.statistics()["arenas"] == 1 and graphs.counts["captures"] >= 2
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    for ea, eb in zip(a, b):
+        _same_state(ea, eb)
 
 
 def test_a_token_id_out_of_range_is_refused_before_any_row_is_written(small):
