@@ -51,7 +51,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels.decode import BLOCK
+from tandem.kernels import decode as decode_ops
 from tandem.models.base import ModelError, ModelState
 
 log = structlog.get_logger("tandem.graphs")
@@ -63,6 +63,9 @@ SPAN_MIN = 256  # the shortest span a row's attention reads
 CAPTURE_AFTER = 2  # a shape's first step runs eagerly (Triton's compiles, cuBLAS's set-up)
 MAX_GRAPHS = 64  # shapes kept, the least recently used let go first
 MAX_ARENAS = 8  # sequences whose verify arenas are kept
+# The rows a lone sequence's static step carries (itself and a pad row): torch's decode matmuls
+# take two rows a call, the only ones a device's step runs.
+PAD_ROWS = getattr(decode_ops, "TORCH_BLOCK", None) or decode_ops.BLOCK
 
 T = TypeVar("T")
 Gate = Callable[[Callable[[], T]], "T | None"]
@@ -212,7 +215,7 @@ class StepGraphs:
         spans = tuple(span(p, _window(s)) for p, s in zip(positions, states))
         key = GraphKey("decode", (1,) * n, (False,) * n, spans,
                        tuple(_memory(s) for s in states))
-        ids = list(token_ids) if n >= BLOCK else list(token_ids) * BLOCK
+        ids = list(token_ids) if n >= PAD_ROWS else list(token_ids) * PAD_ROWS
         values = ids + list(positions) + list(rope_offsets or [0] * n)
         out = self._run(model, key, values, lambda entry: _decode_step(
             model, states, entry, len(ids), spans))
