@@ -3,7 +3,8 @@
 # present, so a CPU machine never downloads a CUDA build), then the package.
 #   scripts/install.sh          what `tandem serve` needs
 #   scripts/install.sh --test   plus the test dependencies (transformers as the oracle, the
-#                               OpenAI SDK, pytest, triton for the kernels' interpreter tests)
+#                               OpenAI SDK, pytest, triton for the kernels' interpreter tests,
+#                               on a GPU flash-linear-attention for the oracle's kernels)
 #                               and Debian's chromium for the console test
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,14 @@ if [ "$want_test" = 1 ]; then
   if ! .venv/bin/python -c "import triton" 2>/dev/null; then
     pip install -q --no-deps "triton>=3.2" \
       || echo "install.sh: triton not installed; the Triton kernels' tests will skip" >&2
+  fi
+  # flash-linear-attention on a GPU: transformers' Qwen3.5 / Qwen3-Next take its kernels, the
+  # oracle scripts/bench_engine.py measures tandem against. torch held where it is.
+  if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
+      && ! .venv/bin/python -c "import fla" 2>/dev/null; then
+    pip install -q "flash-linear-attention>=0.6" \
+      -c <(.venv/bin/python -c "import torch; print('torch==' + torch.__version__)") \
+      || echo "install.sh: flash-linear-attention not installed; the bench runs transformers' torch path" >&2
   fi
   if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
       && [ "$(id -u)" = 0 ]; then

@@ -95,12 +95,15 @@ def generate_main(args) -> int:
     from tandem.logs import configure_logging
     from tandem.models import load_model
     from tandem.models.base import ModelError
+    from tandem.models.graphs import engine_graphs
 
     config = load_config(cli_args=args)
     configure_logging(config.log_level)
     try:
+        device = engine_device(config)
+        engine_graphs(config, device)
         loaded = load_model(config.server.model, config.models_dir(), config.engine.dtype,
-                            engine_device(config))
+                            device, config.engine.cuda_graphs)
         prompt = _prompt_ids(args, loaded)
         engine = Engine(loaded.model, window=config.engine.window,
                         prefix_chunk=config.engine.prefix_chunk,

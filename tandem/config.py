@@ -138,6 +138,11 @@ class EngineConfig(_Section):
         "CPU), cpu, cuda or cuda:N. A CUDA device the machine lacks is an error at start. On "
         "CUDA the weights keep the checkpoint's dtype, the recurrent state is fp32 and host "
         "copies of device rows are pinned."))] = "auto"
+    cuda_graphs: Annotated[Literal["auto", "on", "off"], Meta(description=(
+        "CUDA graphs of the decode step and of verify blocks, captured per shape (batch, "
+        "block lengths, attention span) under the capture lock: auto is on with CUDA, on "
+        "without CUDA is an error at start, and a CPU never captures. A replay gives the "
+        "bits of the same step run eagerly."))] = "auto"
 
 
 class CacheConfig(_Section):

@@ -19,6 +19,7 @@ from tandem.actors import Actor
 from tandem.actors.loop import install_uvloop
 from tandem.config import Config, load_config
 from tandem.devices import engine_device
+from tandem.models.graphs import engine_graphs
 from tandem.logs import configure_logging
 from tandem.models import load_model
 from tandem.torch_thread import torch_thread
@@ -37,11 +38,13 @@ def serve_main(args: argparse.Namespace) -> int:
     config = load_config(cli_args=args)
     configure_logging(config.log_level)
     device = engine_device(config)  # a missing GPU is a ConfigError here, before the load
+    engine_graphs(config, device)  # cuda_graphs on without CUDA too
     try:
         # On the torch thread, before anything else opens an OpenMP region: the engine then
         # runs on the thread whose worker team is the fast one (tandem/torch_thread.py).
         loaded = torch_thread().submit(load_model, config.server.model, config.models_dir(),
-                                       config.engine.dtype, device).result()
+                                       config.engine.dtype, device,
+                                       config.engine.cuda_graphs).result()
     except (ModelError, OSError) as e:
         log.error("model_load_failed", model=config.server.model, error=type(e).__name__,
                   reason=str(e))

@@ -398,6 +398,10 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         self._paused = False
         self._unpause = threading.Event()
         self._runs: dict[str, _Run] = {}  # engine thread only
+        # Engine thread only: a scheduler round runs (a graph may be captured in it), and one
+        # was captured in it (_capture_gate).
+        self._in_round = False
+        self._round_captured = False
         self._thread_prefilling: str | None = None  # engine thread only: the prefilling run
         # The decode steps run, by how many sequences each forwarded at once (the thread's
         # count; the loop's copy, ``decode_batches``, as handed over after each generation).
@@ -486,6 +490,9 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
     def _build(self) -> Engine:
         """On the engine thread: the engine and the caches that own copies of its state."""
         engine = self._make_engine()
+        graphs = getattr(getattr(engine, "model", None), "graphs", None)
+        if graphs is not None:
+            graphs.gate = self._capture_gate
         self._build_parts(0, engine)
         if self._make_disk_tier is not None and self._make_resident is not None:
             self.disk_tier = self._make_disk_tier(engine)
@@ -1024,13 +1031,37 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                     self._thread_prefilling = job.request_id
                 else:  # "answer": the store's verdict on a session put
                     runs[job.request_id].sent = value
-            if self._round(runs):
+            self._in_round, self._round_captured = True, False
+            try:
+                ran = self._round(runs)
+            finally:
+                self._in_round = False
+            if ran:
                 idle = 0
             else:
                 # Only ends wait, for the gate the loop holds while it makes a plan
                 # (milliseconds): the thread waits a little, not spinning the CPU.
                 idle += 1
                 time.sleep(min(0.0002 * idle, 0.005))
+
+    def _capture_gate(self, capture: Callable[[], Any]) -> Any:
+        """The model's graphs' gate (tandem.models.graphs), on the engine thread: a graph is
+        captured only in a scheduler round, while the running generations hold the capture
+        lock, and at most one a round. An outside holder (a writer's device copies) gets the
+        lock only once the thread is parked between two rounds and the thread goes on only
+        after it released it, so no copy runs during a capture (the spec's capture race: a
+        CUDA call of another thread fails a global-mode capture), and a copy that waits waits
+        at most for the one capture of the round running. Declined (None), the step runs
+        eagerly, the same bits."""
+        if not self._in_round or self._round_captured:
+            return None
+        holder = self._lock.holder
+        if holder is not self._group:
+            log.error("graph_capture_outside_lock",
+                      holder=None if holder is None else getattr(holder, "holder", "request"))
+            return None
+        self._round_captured = True
+        return capture()
 
     def _ready(self, run: _Run) -> bool:
         """Whether a run can be advanced (an _AskStore waits for the loop's answer)."""

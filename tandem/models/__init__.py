@@ -32,9 +32,10 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype 
 
 
 def load_model(spec: str, models_dir: Path, dtype: str = "auto",
-               device: torch.device | str = "cpu") -> LoadedModel:
+               device: torch.device | str = "cpu", cuda_graphs: str = "off") -> LoadedModel:
     """``tiny`` (written under ``models_dir`` on first use) or a checkpoint directory, on
-    ``device`` (a resolved one: tandem.devices.resolve_device turns the knob into it)."""
+    ``device`` (a resolved one: tandem.devices.resolve_device turns the knob into it), its
+    decode steps captured as CUDA graphs where ``cuda_graphs`` (the knob) wants them."""
     from tandem.models.hybrid import HybridModel
     from tandem.models.tiny import TINY_NAME, ensure_tiny
 
@@ -47,6 +48,9 @@ def load_model(spec: str, models_dir: Path, dtype: str = "auto",
         name = path.name
     device = torch.device(device)
     model = HybridModel.load(path, dtype=resolve_dtype(dtype, device), device=device)
+    from tandem.models import graphs
+
+    graphs.attach(model, cuda_graphs)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer.tiktoken").is_file():
         from tandem.models.tokenizer import load_tokenizer

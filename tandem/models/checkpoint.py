@@ -50,10 +50,12 @@ class ReadReport:
     tensors: int  # read, converted and kept
     skipped: int  # in the files but not the model's (``mtp.*``, ``model.visual.*``, ...)
     dequantized: int  # of ``tensors``, FP8 blocks turned into the compute dtype
+    native: int = 0  # of ``tensors``, FP8 blocks kept FP8 (models/fp8.py Fp8Weight)
 
 
 def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: torch.dtype,
                  fp8: quant.Fp8Blocks | None, *, fp8_device: torch.device | None = None,
+                 keep_fp8: Callable[[str], bool] | None = None,
                  ) -> tuple[dict[str, torch.Tensor], ReadReport]:
     """The tensors ``rename`` keeps (under the names it gives), each in ``dtype``.
 
@@ -64,7 +66,8 @@ def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: to
     A tensor already in ``dtype`` is kept as the view itself: file-backed pages, no copy.
     ``fp8_device``: an FP8 weight and its scale move there before they are dequantised (a GPU
     with FP8 matmuls: half the bytes over the link, the product on the device); None: on the
-    host, as on a CPU and a GPU without FP8.
+    host, as on a CPU and a GPU without FP8. ``keep_fp8(name)`` (with ``fp8_device``): that
+    matrix stays FP8 there, its scales beside it (models/fp8.py: native FP8 products).
     """
     files = weight_files(model_dir)
     where: dict[str, Path] = {}
@@ -73,7 +76,7 @@ def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: to
             for name in f.keys():
                 where[name] = path
     out: dict[str, torch.Tensor] = {}
-    skipped = dequantized = 0
+    skipped = dequantized = native = 0
     for path in files:
         with _open(path) as f:
             for name in f.keys():
@@ -91,8 +94,15 @@ def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: to
                     scale = _scale(f, path, where, name)
                     if fp8_device is not None:
                         t, scale = t.to(fp8_device), scale.to(fp8_device)
-                    t = quant.dequantize(t, scale, fp8, name)
-                    dequantized += 1
+                    if fp8_device is not None and keep_fp8 is not None and t.dim() == 2 \
+                            and keep_fp8(target):
+                        from tandem.models.fp8 import Fp8Weight
+
+                        t = Fp8Weight(t, scale, (fp8.block_rows, fp8.block_cols))
+                        native += 1
+                    else:
+                        t = quant.dequantize(t, scale, fp8, name)
+                        dequantized += 1
                     del scale
                 elif quant.scale_name(name) in where:
                     raise ModelError(f"tensor {name!r} is {t.dtype} but has a "
@@ -101,7 +111,7 @@ def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: to
                 out[target] = t.to(dtype)
                 del t
     return out, ReadReport(files=len(files), tensors=len(out), skipped=skipped,
-                           dequantized=dequantized)
+                           dequantized=dequantized, native=native)
 
 
 def _open(path: Path):

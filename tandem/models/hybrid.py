@@ -247,6 +247,9 @@ class HybridModel:
         self._eps_value = float(self._eps)  # the same fp32 value, for the native row ops
         self._l2_eps = _scalar(1e-6)  # reference.l2norm's
         self._q_scale = _scalar(config.linear_key_head_dim ** -0.5)
+        # The captured decode and verify steps (tandem.models.graphs.StepGraphs) on a CUDA
+        # device with cuda_graphs on; None: every step runs eagerly (always on a CPU).
+        self.graphs = None
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -276,8 +279,11 @@ class HybridModel:
             return _model_name(name, config)
 
         fp8_device = device if fp8 is not None and _fp8_on(device) else None
-        weights, report = checkpoint.read_weights(model_dir, rename, dtype, fp8,
-                                                  fp8_device=fp8_device)
+        # where the device multiplies FP8, the language model's matrices stay FP8 (models/
+        # fp8.py); the stacked experts and the vision tower are dequantised
+        weights, report = checkpoint.read_weights(
+            model_dir, rename, dtype, fp8, fp8_device=fp8_device,
+            keep_fp8=lambda n: not n.startswith("visual.") and ".experts." not in n)
         images = None
         if with_tower:
             tower = {k[len("visual."):]: weights.pop(k) for k in list(weights)
@@ -295,7 +301,7 @@ class HybridModel:
                  nbytes=sum(t.numel() * t.element_size() for t in held),
                  files=report.files, tensors=report.tensors, skipped_tensors=report.skipped,
                  quantization=fp8.describe() if fp8 else "none",
-                 dequantized_tensors=report.dequantized,
+                 dequantized_tensors=report.dequantized, fp8_tensors=report.native,
                  vision_tower=images.describe() if images else "none")
         return model
 
@@ -722,6 +728,8 @@ class HybridModel:
         zeros (it has no state), and its results are dropped. A row's bits at those rows are
         its own whatever the other row holds, so the lone sequence's logits are those it gets
         in any batch. The native kernel needs no pad (decode_ops.block() is 1 there)."""
+        if self.graphs is not None and self.graphs.takes(self):
+            return self.graphs.decode(self, states, token_ids, positions, rope_offsets)
         n = len(states)
         embed = self.w["embed_tokens.weight"]
         block = decode_ops.block()
@@ -778,6 +786,8 @@ class HybridModel:
             logits = self.forward_batch(states, [b[0] for b in blocks], positions,
                                         rope_offsets=rope_offsets)
             return [row[None] for row in logits], [None] * len(blocks)
+        if self.graphs is not None and self.graphs.takes(self):
+            return self.graphs.verify(self, states, blocks, positions, rope_offsets, verify)
         ragged = _Ragged(states, blocks, verify, self.device)
         ids = [t for b in blocks for t in b]
         offsets = rope_offsets or [0] * len(blocks)
@@ -838,14 +848,16 @@ class HybridModel:
     def _step_layers(self, x: torch.Tensor, n: int, turns: list[int], positions: list[int],
                      keys: list[torch.Tensor], values: list[torch.Tensor],
                      tails: list | None, recur: list | None,
-                     ragged: "_Ragged | None") -> torch.Tensor:
+                     ragged: "_Ragged | None", attend=None) -> torch.Tensor:
         """The layers of a step over ``n`` rows (x may carry a pad row past them): row r turns
         at ``turns[r]`` and writes its K/V row at ``positions[r]`` of ``keys[r]``/``values[r]``.
         The GDN layers run on ``tails``/``recur`` (a sequence a row, forward_batch) or on
-        ``ragged``'s per-row states (forward_ragged)."""
+        ``ragged``'s per-row states (forward_ragged). A captured step (models/graphs.py) gives
+        ``turns`` as a device tensor and its own ``attend``, which reads positions from one."""
         c, k = self.config, self._k
         rows = x.shape[0]
-        pos = torch.tensor(turns, dtype=torch.float32, device=self.device)
+        pos = (turns if isinstance(turns, torch.Tensor)
+               else torch.tensor(turns, dtype=torch.float32, device=self.device))
         freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
@@ -875,7 +887,7 @@ class HybridModel:
                 else:
                     h = self._gdn_rows(i, h, None, None, ragged)
             else:
-                h = self._attention_rows(i, h, keys, values, positions, cos, sin)
+                h = self._attention_rows(i, h, keys, values, positions, cos, sin, attend)
             x, h = self._residual_norm(x, h, p + "post_attention_layernorm.weight", fast)
             if c.is_moe_layer(i):
                 out = torch.cat([self._moe(i, h[b:b + 1]) for b in range(n)]
@@ -958,7 +970,7 @@ class HybridModel:
 
     def _attention_rows(self, i: int, h: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
-                        sin: torch.Tensor) -> torch.Tensor:
+                        sin: torch.Tensor, attend=None) -> torch.Tensor:
         c, w, p = self.config, self.w, f"layers.{i}.self_attn."
         slot = self._slot[i]
         n, hd = h.shape[0], c.head_dim
@@ -967,7 +979,8 @@ class HybridModel:
         if c.attention_bias:
             k, qg, v = (t + w[f"{p}{name}.bias"] for t, name in
                         ((k, "k_proj"), (qg, "q_proj"), (v, "v_proj")))
-        if decode_ops.block() == 1 and native_rows_fit(qg, k, v) and cos.dtype == torch.float32:
+        if (attend is None and decode_ops.block() == 1 and native_rows_fit(qg, k, v)
+                and cos.dtype == torch.float32):
             # one native call: the norms, the rotation, the row writes, attention and its gate
             out = native_ops.attention_rows(
                 qg, k, v, nh, nkv, hd, self._gain[p + "q_norm.weight"],
@@ -991,8 +1004,9 @@ class HybridModel:
         kr.copy_(kr * cos + kr.roll(half, -1) * sin)
         q5 = q[:, None, :, None]  # [R, 1, nh, 1, hd]: row b is SDPA's [1, nh, 1, hd]
         scale = hd ** -0.5
-        out = []
-        for b, at in enumerate(positions):
+        # a captured step's attention reads the positions from the device (models/graphs.py)
+        out = [] if attend is None else attend(slot, q5, k, v, keys, values, scale)
+        for b, at in enumerate(positions if attend is None else ()):
             kbuf, vbuf = keys[b][slot], values[b][slot]
             kbuf[:, at] = k[b]
             vbuf[:, at] = v[b]
@@ -1019,10 +1033,12 @@ class _Ragged:
     verify row on ``work[b][name][t]``, a copy of the state before it, kept (the steps)."""
 
     def __init__(self, states: list[ModelState], blocks: list[list[int]], verify: list[bool],
-                 device):
+                 device, work: list[dict[str, torch.Tensor] | None] | None = None):
+        """``work``: the verify blocks' copies, given (a captured step's, models/graphs.py,
+        which lie where its graph reads them); by default made here."""
         self.sections = [{name: s.sections[name].unbind(0) for name in ("gdn.conv", "gdn.S")}
                          for s in states]
-        self.work: list[dict[str, torch.Tensor] | None] = [
+        self.work: list[dict[str, torch.Tensor] | None] = work if work is not None else [
             {name: s.sections[name].new_empty((len(b),) + tuple(s.sections[name].shape))
              for name in ("gdn.conv", "gdn.S")} if v else None
             for s, b, v in zip(states, blocks, verify)]
@@ -1120,8 +1136,9 @@ def _adjacent_rows(parts: list[torch.Tensor]) -> torch.Tensor | None:
     ``self.w`` (prefill reads them there) for the model's life and keep that memory alive."""
     first = parts[0]
     cols = first.shape[-1]
-    if not all(t.dim() == 2 and t.shape[1] == cols and t.dtype == first.dtype
-               and t.device.type == "cpu" and t.is_contiguous() for t in parts):
+    if not all(type(t) is torch.Tensor and t.dim() == 2 and t.shape[1] == cols
+               and t.dtype == first.dtype and t.device.type == "cpu" and t.is_contiguous()
+               for t in parts):  # an FP8 weight (models/fp8.py) multiplies alone
         return None
     if any(b.data_ptr() != a.data_ptr() + a.nbytes for a, b in zip(parts, parts[1:])):
         return None

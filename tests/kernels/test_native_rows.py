@@ -68,11 +68,23 @@ def test_what_the_kernel_does_not_take_goes_to_torch_and_keeps_its_bits(decode_m
 
 
 def test_the_library_shares_torchs_openmp_runtime():
-    """One libgomp in the process: the kernel's regions run on torch's team (a second runtime
-    would spin a second set of workers against torch's on two cores)."""
-    with open("/proc/self/maps") as maps:
-        gomp = {line.split()[-1] for line in maps if "libgomp" in line}
-    assert len(gomp) == 1, gomp
+    """The kernel's GOMP_parallel is the one in the libgomp torch loaded: its regions run on
+    torch's team (a second runtime would spin a second set of workers against torch's on two
+    cores). Other libraries may bundle their own (pydivsufsort does); ours must not."""
+    import ctypes
+    import os
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+    lib = native._load()
+    address = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
+    info = DlInfo()
+    assert ctypes.CDLL(None).dladdr(ctypes.c_void_p(address), ctypes.byref(info))
+    where = os.path.realpath(info.dli_fname.decode())
+    assert os.path.dirname(where) == os.path.realpath(os.path.join(
+        os.path.dirname(torch.__file__), "lib")), where
 
 
 def test_off_the_model_pads_a_lone_sequence_and_on_it_does_not():
