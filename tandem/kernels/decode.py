@@ -34,6 +34,8 @@ dispatch layers down), views made once a batch, rows stacked rather than zeroed 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -141,7 +143,17 @@ def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
     rows past B pad a lone sequence to BLOCK rows), tails[b] [C, K-1] (sequence b's last K-1
     inputs, updated in place), weight [C, K] fp32. Returns [R, C] in x's dtype, a pad row a
     copy of row 0's. Each row is a multiply and a sum over the K taps on its own tail
-    (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B."""
+    (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B.
+    Where the native kernel runs and every tensor is fp32, csrc/gdn.c's conv: one call."""
+    if _native is None:
+        set_native(True)
+    if _native and _rows_fit(x) and _all_fit(tails) and _all_fit([weight]) \
+            and weight.shape[1] <= _MAX_TAPS:
+        c, taps = weight.shape
+        y = torch.empty(x.shape[0], c, dtype=torch.float32)
+        _CONV()(len(tails), x.data_ptr(), x.stride(0), _pointers(tails, tails),
+                weight.data_ptr(), c, taps, y.data_ptr(), c)
+        return _pad(y, len(tails))
     cols = x.unsqueeze(-1)  # [R, C, 1]
     same = x.dtype == torch.float32
     out = []
@@ -162,6 +174,18 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     [Hv, dk, dv] fp32, updated in place. Returns o [R, Hv, dv] fp32, a pad row a copy of row
     0's. Sequence b's arithmetic is its own rows' alone."""
     r, h, dv = v.shape
+    if _native is None:
+        set_native(True)
+    if _native and _all_fit(states) and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                            for t in (q, k, v, decay, beta)):
+        # contiguous at every R (a slice's rows lie apart, but one row is always one run): the
+        # same kernel for a row alone and batched
+        q, k, v, decay, beta = (t.contiguous() for t in (q, k, v, decay, beta))
+        n, dk = len(states), q.shape[-1]
+        o = torch.empty(r, h, dv, dtype=torch.float32)
+        _DELTA()(n, q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
+                 _pointers(states, states), h, dk, dv, o.data_ptr(), torch.get_num_threads())
+        return _pad(o, n)
     # Every row's operands as the per-head [H, 1, d] and [H, d, 1] matrices bmm takes, viewed
     # once for the batch (a view per row and operand cost as much as the arithmetic).
     k_rows = k.unsqueeze(2)  # [R, H, 1, dk]
@@ -176,3 +200,85 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         s.baddbmm_(k_cols[b], delta)  # s + k^T delta
         out.append(torch.bmm(q_rows[b], s))
     return torch.stack(out + out[:1] * (r - len(states))).view(r, h, dv)
+
+
+# -- the native GDN middle (csrc/gdn.c) ---------------------------------------------------------
+
+_MAX_TAPS = 16  # gdn.c's conv holds a channel's taps in a 16-float array
+
+
+def _native_fn(name: str):
+    from tandem.kernels import native
+
+    fn = None
+
+    def get():
+        nonlocal fn
+        if fn is None:
+            fn = native.function(name)
+        return fn
+    return get
+
+
+_CONV = _native_fn("tandem_conv_rows_f32")
+_DELTA = _native_fn("tandem_delta_rows_f32")
+_GDN = _native_fn("tandem_gdn_rows_f32")
+
+
+def _all_fit(tensors) -> bool:
+    """fp32 CPU tensors, each one run of memory (a state, a tail, a constant)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
+
+
+def _rows_fit(x: torch.Tensor) -> bool:
+    """An fp32 CPU [R, width] operand whose rows may lie apart but whose elements are adjacent
+    (a projection's slice)."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and (x.stride(1) == 1 or x.shape[1] == 1))
+
+
+def _pointers(*groups: list[torch.Tensor]):
+    addresses = [t.data_ptr() for group in groups for t in group]
+    return (ctypes.c_void_p * len(addresses))(*addresses)
+
+
+def _pad(out: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows past the n sequences a copy of row 0's, as the torch path pads."""
+    if out.shape[0] > n:
+        out[n:] = out[0]
+    return out
+
+
+def gdn_fits(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+             consts: tuple[torch.Tensor, ...], sections: list[torch.Tensor]) -> bool:
+    """Whether gdn_rows takes these: the native kernel on, fp32 CPU rows, fp32 constants, the
+    sequences' tails and states (``sections``) fp32 and contiguous."""
+    if _native is None:
+        set_native(True)
+    return (bool(_native) and all(_rows_fit(t) for t in (mixed, a, b, z)) and _all_fit(consts)
+            and consts[0].shape[1] <= _MAX_TAPS and _all_fit(sections))
+
+
+def gdn_rows(out: torch.Tensor, rows: list[int] | None, mixed: torch.Tensor, a: torch.Tensor,
+             b: torch.Tensor, z: torch.Tensor, tails: tuple[list, list],
+             states: tuple[list, list], consts: tuple[torch.Tensor, ...],
+             dims: tuple[int, int, int, int], scalars: tuple[float, float, float]) -> None:
+    """A GDN layer's decode middle (csrc/gdn.c), between its in_proj and its out_proj, for the
+    sequences' rows ``rows`` of the inputs (None: rows 0..len - 1; ``gdn_fits`` holds): mixed
+    [., C] (q, k, v before the conv), a, b [., hv], z [., hv dv]; each row's tail [C, K-1] read
+    from ``tails[0][r]`` and written to ``tails[1][r]``, its state [hv, dk, dv] from
+    ``states[0][r]`` to ``states[1][r]`` (the same tensors for a decode, which advances in
+    place); ``consts`` the conv taps [C, K], -exp(A_log) and dt_bias [hv], the norm's weight
+    [dv]; ``dims`` (hk, hv, dk, dv); ``scalars`` (l2norm's eps, q's scale, the norm's eps).
+    Writes ``out``'s rows [hv dv] (fp32, contiguous). A row's bits are a function of its own
+    inputs, tail and state alone: the same at any place of any call, on any thread count."""
+    conv_w, neg_a, dt_bias, norm_w = consts
+    hk, hv, dk, dv = dims
+    n = len(tails[0])
+    index = None if rows is None else (ctypes.c_long * n)(*rows)
+    _GDN()(n, index, mixed.data_ptr(), mixed.stride(0), a.data_ptr(), a.stride(0),
+           b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
+           _pointers(tails[0], tails[1], states[0], states[1]), conv_w.data_ptr(),
+           conv_w.shape[1], neg_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(),
+           hk, hv, dk, dv, *scalars, out.data_ptr(), out.stride(0), torch.get_num_threads())

@@ -94,10 +94,15 @@ def _sources_bytes() -> bytes:
     return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
 
 
-_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 # Every exported function's C signature (argtypes; each returns void).
 SIGNATURES: dict[str, list] = {
     "tandem_rows_f32": [_P, _L, _L, _P, _L, _L, _P, _L, _I],
+    # csrc/gdn.c: a GDN layer's decode middle (decode.gdn_rows), its conv and recurrent step
+    "tandem_conv_rows_f32": [_L, _P, _L, _P, _P, _L, _L, _P, _L],
+    "tandem_delta_rows_f32": [_L, _P, _P, _P, _P, _P, _P, _L, _L, _L, _P, _I],
+    "tandem_gdn_rows_f32": [_L, _P, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _P, _P, _P,
+                            _L, _L, _L, _L, _F, _F, _F, _P, _L, _I],
 }
 
 

@@ -893,6 +893,24 @@ class HybridModel:
         else:
             a, b, mixed, z = self._project(p + "in_proj", h)
         conv_w = self._gain[p + "conv1d.weight"]
+        if decode_ops.block() == 1 and self.dtype == torch.float32 \
+                and self.state_dtype == torch.float32:
+            # the native kernel's whole middle (csrc/gdn.c), one call a layer (a wave of a
+            # ragged step); forward_batch and forward_ragged call the same one
+            z2 = z.reshape(n, hv * dv)
+            consts = (conv_w, self._gain[p + "A_log"], w[p + "dt_bias"], w[p + "norm.weight"])
+            sections = (tails + recur if ragged is None else
+                        [t[name][slot] for t in ragged.sections for name in t])
+            if decode_ops.gdn_fits(mixed, a, b, z2, consts, sections):
+                o = torch.empty(n, hv * dv, dtype=torch.float32)
+                dims, scalars = (hk, hv, dk, dv), (1e-6, dk ** -0.5, c.rms_norm_eps)
+                if ragged is None:
+                    decode_ops.gdn_rows(o, None, mixed, a, b, z2, (tails, tails), (recur, recur),
+                                        consts, dims, scalars)
+                else:
+                    ragged.run_native(lambda rows, t, s: decode_ops.gdn_rows(
+                        o, rows, mixed, a, b, z2, t, s, consts, dims, scalars), slot)
+                return self._linear(o, p + "out_proj.weight")
         if ragged is None:
             mixed = kernels.causal_conv1d_rows(mixed, tails, conv_w)
         else:
@@ -1027,6 +1045,26 @@ class _Ragged:
                 out = got.new_empty((len(self.rows),) + tuple(got.shape[1:]))
             out[idx] = got
         return out
+
+    def run_native(self, fn, slot: int) -> None:
+        """``fn(rows, (tails in, tails out), (states in, states out))`` wave by wave (the native
+        GDN middle, which reads a state from one tensor and writes it to another): a decode row
+        advances its sections in place, a verify row t reads the state its row t - 1 left (its
+        sequence's, at t = 0) and writes ``work[b][name][t]``, so no copy is made before it."""
+        for wave, _ in self.waves:
+            pairs = {"gdn.conv": ([], []), "gdn.S": ([], [])}
+            for r in wave:
+                b, j = self.rows[r]
+                work = self.work[b]
+                for name, (src, dst) in pairs.items():
+                    here = self.sections[b][name][slot]
+                    if work is None:
+                        src.append(here)
+                        dst.append(here)
+                    else:
+                        src.append(here if j == 0 else work[name][j - 1, slot])
+                        dst.append(work[name][j, slot])
+            fn(wave, pairs["gdn.conv"], pairs["gdn.S"])
 
     def steps(self) -> list[dict[str, torch.Tensor] | None]:
         return list(self.work)
