@@ -147,7 +147,8 @@ def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
     Where the native kernel runs and every tensor is fp32, csrc/gdn.c's conv: one call."""
     if _native is None:
         set_native(True)
-    if _native and _rows_fit(x) and _all_fit(tails) and _all_fit([weight]) \
+    if _native and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 \
+            and _all_fit(tails) and _all_fit([weight]) \
             and weight.shape[1] <= _MAX_TAPS:
         c, taps = weight.shape
         y = torch.empty(x.shape[0], c, dtype=torch.float32)
@@ -231,13 +232,6 @@ def _all_fit(tensors) -> bool:
                for t in tensors)
 
 
-def _rows_fit(x: torch.Tensor) -> bool:
-    """An fp32 CPU [R, width] operand whose rows may lie apart but whose elements are adjacent
-    (a projection's slice)."""
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
-            and (x.stride(1) == 1 or x.shape[1] == 1))
-
-
 def _pointers(*groups: list[torch.Tensor]):
     addresses = [t.data_ptr() for group in groups for t in group]
     return (ctypes.c_void_p * len(addresses))(*addresses)
@@ -250,35 +244,68 @@ def _pad(out: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
-def gdn_fits(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
-             consts: tuple[torch.Tensor, ...], sections: list[torch.Tensor]) -> bool:
-    """Whether gdn_rows takes these: the native kernel on, fp32 CPU rows, fp32 constants, the
-    sequences' tails and states (``sections``) fp32 and contiguous."""
-    if _native is None:
-        set_native(True)
-    return (bool(_native) and all(_rows_fit(t) for t in (mixed, a, b, z)) and _all_fit(consts)
-            and consts[0].shape[1] <= _MAX_TAPS and _all_fit(sections))
+class _GdnConsts(ctypes.Structure):
+    _fields_ = [("conv_w", ctypes.c_void_p), ("neg_a", ctypes.c_void_p),
+                ("dt_bias", ctypes.c_void_p), ("norm_w", ctypes.c_void_p),
+                ("taps", ctypes.c_long), ("hk", ctypes.c_long), ("hv", ctypes.c_long),
+                ("dk", ctypes.c_long), ("dv", ctypes.c_long), ("l2_eps", ctypes.c_float),
+                ("q_scale", ctypes.c_float), ("eps", ctypes.c_float)]  # gdn.c's gdn_layer
 
 
-def gdn_rows(out: torch.Tensor, rows: list[int] | None, mixed: torch.Tensor, a: torch.Tensor,
-             b: torch.Tensor, z: torch.Tensor, tails: tuple[list, list],
-             states: tuple[list, list], consts: tuple[torch.Tensor, ...],
-             dims: tuple[int, int, int, int], scalars: tuple[float, float, float]) -> None:
-    """A GDN layer's decode middle (csrc/gdn.c), between its in_proj and its out_proj, for the
-    sequences' rows ``rows`` of the inputs (None: rows 0..len - 1; ``gdn_fits`` holds): mixed
-    [., C] (q, k, v before the conv), a, b [., hv], z [., hv dv]; each row's tail [C, K-1] read
-    from ``tails[0][r]`` and written to ``tails[1][r]``, its state [hv, dk, dv] from
-    ``states[0][r]`` to ``states[1][r]`` (the same tensors for a decode, which advances in
-    place); ``consts`` the conv taps [C, K], -exp(A_log) and dt_bias [hv], the norm's weight
-    [dv]; ``dims`` (hk, hv, dk, dv); ``scalars`` (l2norm's eps, q's scale, the norm's eps).
-    Writes ``out``'s rows [hv dv] (fp32, contiguous). A row's bits are a function of its own
-    inputs, tail and state alone: the same at any place of any call, on any thread count."""
-    conv_w, neg_a, dt_bias, norm_w = consts
-    hk, hv, dk, dv = dims
-    n = len(tails[0])
-    index = None if rows is None else (ctypes.c_long * n)(*rows)
-    _GDN()(n, index, mixed.data_ptr(), mixed.stride(0), a.data_ptr(), a.stride(0),
-           b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
-           _pointers(tails[0], tails[1], states[0], states[1]), conv_w.data_ptr(),
-           conv_w.shape[1], neg_a.data_ptr(), dt_bias.data_ptr(), norm_w.data_ptr(),
-           hk, hv, dk, dv, *scalars, out.data_ptr(), out.stride(0), torch.get_num_threads())
+class GdnLayer:
+    """A GDN layer's decode middle on the native kernel (csrc/gdn.c), between its in_proj and
+    its out_proj: its constants checked and packed once a layer (``build``), then one call a
+    step (a wave of a ragged step). A row's bits are a function of its own inputs, tail and
+    state alone: the same at any place of any call, on any thread count."""
+
+    def __init__(self, consts: tuple[torch.Tensor, ...], dims: tuple[int, int, int, int],
+                 scalars: tuple[float, float, float]):
+        self._consts = consts  # kept alive: the struct holds their addresses
+        conv_w, neg_a, dt_bias, norm_w = consts
+        self.dims = dims
+        self._struct = _GdnConsts(conv_w.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
+                                  norm_w.data_ptr(), conv_w.shape[1], *dims, *scalars)
+        self._ref = ctypes.byref(self._struct)
+
+    @classmethod
+    def build(cls, consts: tuple[torch.Tensor, ...], dims: tuple[int, int, int, int],
+              scalars: tuple[float, float, float]) -> "GdnLayer | None":
+        """``consts``: the conv taps [C, K], -exp(A_log) and dt_bias [hv], the norm's weight
+        [dv]; ``dims`` (hk, hv, dk, dv); ``scalars`` (l2norm's eps, q's scale, the norm's eps).
+        None where the native kernel is off or the constants are not fp32 CPU runs of memory
+        of those shapes."""
+        if _native is None:
+            set_native(True)
+        hk, hv, dk, dv = dims
+        conv_w, neg_a, dt_bias, norm_w = consts
+        if not (_native and _all_fit(consts) and hk > 0 and hv % hk == 0
+                and conv_w.dim() == 2 and conv_w.shape[0] == 2 * hk * dk + hv * dv
+                and 1 <= conv_w.shape[1] <= _MAX_TAPS
+                and neg_a.shape == (hv,) and dt_bias.shape == (hv,) and norm_w.shape == (dv,)):
+            return None
+        return cls(consts, dims, scalars)
+
+    @staticmethod
+    def fits(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+             sections: list[torch.Tensor]) -> bool:
+        """Whether a step's operands are the kernel's, of a model whose rows and sections are
+        fp32 on the CPU: [R, width] rows whose elements are adjacent (a projection's slices),
+        the sequences' tails and states (``sections``) runs of memory."""
+        return (all(t.stride(1) == 1 for t in (mixed, a, b, z))
+                and all(t.is_contiguous() for t in sections))
+
+    def __call__(self, out: torch.Tensor, rows: list[int] | None, mixed: torch.Tensor,
+                 a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, tails: tuple[list, list],
+                 states: tuple[list, list]) -> None:
+        """The middle for the sequences' rows ``rows`` of the inputs (None: rows 0..len - 1):
+        mixed [., C] (q, k, v before the conv), a, b [., hv], z [., hv dv]; each row's tail
+        [C, K-1] read from ``tails[0][r]`` and written to ``tails[1][r]``, its state [hv, dk,
+        dv] from ``states[0][r]`` to ``states[1][r]`` (the same tensors for a decode, which
+        advances in place; a verify row's own copy). Writes ``out``'s rows [hv dv] (fp32, rows
+        ``out.stride(0)`` apart), ready for out_proj."""
+        n = len(tails[0])
+        index = None if rows is None else (ctypes.c_long * n)(*rows)
+        _GDN()(self._ref, n, index, mixed.data_ptr(), mixed.stride(0), a.data_ptr(),
+               a.stride(0), b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
+               _pointers(tails[0], tails[1], states[0], states[1]), out.data_ptr(),
+               out.stride(0), torch.get_num_threads())

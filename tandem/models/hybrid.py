@@ -897,19 +897,17 @@ class HybridModel:
                 and self.state_dtype == torch.float32:
             # the native kernel's whole middle (csrc/gdn.c), one call a layer (a wave of a
             # ragged step); forward_batch and forward_ragged call the same one
-            z2 = z.reshape(n, hv * dv)
-            consts = (conv_w, self._gain[p + "A_log"], w[p + "dt_bias"], w[p + "norm.weight"])
+            layer = self._gdn_native(i)
+            z2 = z if z.dim() == 2 else z.reshape(n, hv * dv)
             sections = (tails + recur if ragged is None else
                         [t[name][slot] for t in ragged.sections for name in t])
-            if decode_ops.gdn_fits(mixed, a, b, z2, consts, sections):
+            if layer is not None and layer.fits(mixed, a, b, z2, sections):
                 o = torch.empty(n, hv * dv, dtype=torch.float32)
-                dims, scalars = (hk, hv, dk, dv), (1e-6, dk ** -0.5, c.rms_norm_eps)
                 if ragged is None:
-                    decode_ops.gdn_rows(o, None, mixed, a, b, z2, (tails, tails), (recur, recur),
-                                        consts, dims, scalars)
+                    layer(o, None, mixed, a, b, z2, (tails, tails), (recur, recur))
                 else:
-                    ragged.run_native(lambda rows, t, s: decode_ops.gdn_rows(
-                        o, rows, mixed, a, b, z2, t, s, consts, dims, scalars), slot)
+                    ragged.run_native(lambda rows, t, s: layer(o, rows, mixed, a, b, z2, t, s),
+                                      slot)
                 return self._linear(o, p + "out_proj.weight")
         if ragged is None:
             mixed = kernels.causal_conv1d_rows(mixed, tails, conv_w)
@@ -953,6 +951,17 @@ class HybridModel:
         if o.dtype != self.dtype:
             o = o.to(self.dtype)
         return self._linear(o.reshape(n, -1), p + "out_proj.weight")
+
+    def _gdn_native(self, i: int) -> "decode_ops.GdnLayer | None":
+        """Layer i's constants for the native GDN middle, built on its first decode step (None
+        where they do not fit it)."""
+        layers = self.__dict__.setdefault("_gdn_layers", {})
+        if i not in layers:
+            c, w, p, _, hk, hv, dk, dv = self._gdn_dims(i)
+            layers[i] = decode_ops.GdnLayer.build(
+                (self._gain[p + "conv1d.weight"], self._gain[p + "A_log"], w[p + "dt_bias"],
+                 w[p + "norm.weight"]), (hk, hv, dk, dv), (1e-6, dk ** -0.5, c.rms_norm_eps))
+        return layers[i]
 
     def _attention_rows(self, i: int, h: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], positions: list[int], cos: torch.Tensor,

@@ -71,36 +71,38 @@ static inline __m512 silu16(__m512 x) {
   return _mm512_div_ps(x, d);
 }
 
-static void silu_inplace(float *y, long n) {
-  for (long c = 0; c < n; c += 16) {
-    __mmask16 m = lanes(n - c);
-    _mm512_mask_storeu_ps(y + c, m, silu16(_mm512_maskz_loadu_ps(m, y + c)));
-  }
-}
-
 /* One row's causal conv with SiLU: y[c] = silu(sum_j full[c, j] w[c, j]) over the K taps of
    full = [tail_in[c, :], x[c]] in ascending j (a product, then FMAs); tail_out[c, :] = full[c,
-   1:]. A channel's reads come before its writes, so tail_in may be tail_out. */
+   1:]. Sixteen channels a vector, their taps and tails gathered (a masked last group through
+   the same code). A group's reads come before its writes, so tail_in may be tail_out. */
 static void conv_row(const float *x, const float *tail_in, float *tail_out, const float *w,
                      long C, long K, float *y) {
   const long km = K - 1;
-  for (long c = 0; c < C; c++) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i tail_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)km));
+  const __m512i w_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)K));
+  for (long c = 0; c < C; c += 16) {
+    __mmask16 m = lanes(C - c);
     const float *t = tail_in + c * km, *wc = w + c * K;
-    float full[16];
-    float acc;
-    if (km == 0) {
-      acc = x[c] * wc[0];
-    } else {
-      for (long j = 0; j < km; j++) full[j] = t[j];
-      full[km] = x[c];
-      acc = full[0] * wc[0];
-      for (long j = 1; j < K; j++) acc = fmaf(full[j], wc[j], acc);
-      float *to = tail_out + c * km;
-      for (long j = 0; j < km; j++) to[j] = full[j + 1];
+    __m512 full[16];
+    for (long j = 0; j < km; j++)
+      full[j] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
+                                         _mm512_add_epi32(tail_at, _mm512_set1_epi32((int)j)),
+                                         t, 4);
+    full[km] = _mm512_maskz_loadu_ps(m, x + c);
+    __m512 acc = _mm512_setzero_ps();
+    for (long j = 0; j < K; j++) {
+      __m512 wj = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
+                                           _mm512_add_epi32(w_at, _mm512_set1_epi32((int)j)),
+                                           wc, 4);
+      acc = j == 0 ? _mm512_mul_ps(full[0], wj) : _mm512_fmadd_ps(full[j], wj, acc);
     }
-    y[c] = acc;
+    float *to = tail_out + c * km;
+    for (long j = 0; j < km; j++)
+      _mm512_mask_i32scatter_ps(to, m, _mm512_add_epi32(tail_at, _mm512_set1_epi32((int)j)),
+                                full[j + 1], 4);
+    _mm512_mask_storeu_ps(y + c, m, silu16(acc));
   }
-  silu_inplace(y, C);
 }
 
 /* q or k's head in place: x * (1 / sqrt(sum x^2 + eps)) (reference.l2norm), then * scale */
@@ -206,7 +208,8 @@ void tandem_delta_rows_f32(long R, const float *q, const float *k, const float *
                            const float *decay, const float *beta, float *const *ptrs, long hv,
                            long dk, long dv, float *o, int threads) {
   long tasks = R * hv;
-  #pragma omp parallel for num_threads(team(threads, tasks * dk * dv)) schedule(static)
+  const int nt = team(threads, tasks * dk * dv);
+  #pragma omp parallel for if(nt > 1) num_threads(nt) schedule(static)
   for (long t = 0; t < tasks; t++) {
     long r = t / hv, h = t % hv;
     delta_head(q + t * dk, k + t * dk, v + t * dv, decay[t], beta[t],
@@ -214,32 +217,41 @@ void tandem_delta_rows_f32(long R, const float *q, const float *k, const float *
   }
 }
 
+/* A GDN layer's constants, as decode.GdnLayer builds them once a layer */
+struct gdn_layer {
+  const float *conv_w;  /* [C, K] */
+  const float *neg_A, *dt_bias;  /* [hv]: -exp(A_log), dt_bias */
+  const float *norm_w;  /* [dv] */
+  long K, hk, hv, dk, dv;
+  float l2_eps, q_scale, eps;
+};
+
 /* A GDN layer's whole decode middle for R rows. Row r reads input row i = rows[r] (rows NULL:
    i = r) of mixed [., C] (the in_proj's q, k, v parts before the conv, C = 2 hk dk + hv dv),
    a, b [., hv] and z [., hv dv] (each at its own row stride), its tail [C, K-1] from ptrs[r]
    to ptrs[R + r] and its state [hv, dk, dv] from ptrs[2R + r] to ptrs[3R + r], and writes out
    row i [hv dv], ready for out_proj. q and k are l2-normalised per key head (eps l2_eps), q
    scaled by q_scale, value head h reading key head h / (hv / hk) (repeat_interleave). */
-void tandem_gdn_rows_f32(long R, const long *rows, const float *mixed, long ld_mixed,
-                         const float *a, long ld_a, const float *b, long ld_b, const float *z,
-                         long ld_z, float *const *ptrs, const float *conv_w, long K,
-                         const float *neg_A, const float *dt_bias, const float *norm_w, long hk,
-                         long hv, long dk, long dv, float l2_eps, float q_scale, float eps,
-                         float *out, long ld_out, int threads) {
+void tandem_gdn_rows_f32(const struct gdn_layer *L, long R, const long *rows, const float *mixed,
+                         long ld_mixed, const float *a, long ld_a, const float *b, long ld_b,
+                         const float *z, long ld_z, float *const *ptrs, float *out, long ld_out,
+                         int threads) {
+  const long hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv;
   const long kd = hk * dk, C = 2 * kd + hv * dv, ratio = hv / hk;
   const long per_row = C + 2 * hv;  /* a row's scratch: the conv's output, then decay, beta */
   float *scratch = aligned_alloc(64, (size_t)((R * per_row * 4 + 63) / 64 * 64));
   if (scratch == NULL) return;
   const int nt = team(threads, R * hv * dk * dv);
-  #pragma omp parallel num_threads(nt)
+  #pragma omp parallel if(nt > 1) num_threads(nt)
   {
     #pragma omp for schedule(static)
     for (long r = 0; r < R; r++) {
       long i = rows ? rows[r] : r;
       float *y = scratch + r * per_row;
-      conv_row(mixed + i * ld_mixed, ptrs[r], ptrs[R + r], conv_w, C, K, y);
-      for (long h = 0; h < 2 * hk; h++) l2norm_head(y + h * dk, dk, l2_eps, q_scale, h < hk);
-      gates(a + i * ld_a, b + i * ld_b, neg_A, dt_bias, hv, y + C, y + C + hv);
+      conv_row(mixed + i * ld_mixed, ptrs[r], ptrs[R + r], L->conv_w, C, L->K, y);
+      for (long h = 0; h < 2 * hk; h++)
+        l2norm_head(y + h * dk, dk, L->l2_eps, L->q_scale, h < hk);
+      gates(a + i * ld_a, b + i * ld_b, L->neg_A, L->dt_bias, hv, y + C, y + C + hv);
     }
     #pragma omp for schedule(static)
     for (long t = 0; t < R * hv; t++) {
@@ -249,7 +261,7 @@ void tandem_gdn_rows_f32(long R, const long *rows, const float *mixed, long ld_m
       long g = h / ratio;
       delta_head(y + g * dk, y + kd + g * dk, y + 2 * kd + h * dv, y[C + h], y[C + hv + h],
                  ptrs[2 * R + r] + h * dk * dv, ptrs[3 * R + r] + h * dk * dv, dk, dv, o);
-      gated_norm_head(o, z + i * ld_z + h * dv, norm_w, dv, eps);
+      gated_norm_head(o, z + i * ld_z + h * dv, L->norm_w, dv, L->eps);
     }
   }
   free(scratch);
