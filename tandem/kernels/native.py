@@ -99,11 +99,14 @@ _P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 # Every exported function's C signature (argtypes; each returns void).
 SIGNATURES: dict[str, list] = {
     "tandem_rows_f32": [_P, _L, _L, _P, _L, _L, _P, _L, _I],
-    # csrc/gdn.c: a GDN layer's decode middle (decode.GdnLayer), its conv and recurrent step
+}
+
+# csrc/gdn.c: a GDN layer's decode middle (decode.GdnLayer), its conv and its recurrent step
+SIGNATURES.update({
     "tandem_conv_rows_f32": [_L, _P, _L, _P, _P, _L, _L, _P, _L],
     "tandem_delta_rows_f32": [_L, _P, _P, _P, _P, _P, _P, _L, _L, _L, _P, _I],
     "tandem_gdn_rows_f32": [_P, _L, _P, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I],
-}
+})
 
 
 def _load() -> ctypes.CDLL | None:

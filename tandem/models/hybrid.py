@@ -905,6 +905,8 @@ class HybridModel:
                 o = torch.empty(n, hv * dv, dtype=torch.float32)
                 if ragged is None:
                     layer(o, None, mixed, a, b, z2, (tails, tails), (recur, recur))
+                    if n > len(tails):  # a pad row (none on the native path): row 0's, as ever
+                        o[len(tails):] = o[0]
                 else:
                     ragged.run_native(lambda rows, t, s: layer(o, rows, mixed, a, b, z2, t, s),
                                       slot)
