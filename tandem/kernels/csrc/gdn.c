@@ -188,8 +188,10 @@ static void gated_norm_head(float *o, const float *z, const float *w, long dv, f
   }
 }
 
-/* Whether a call's work is worth a parallel region (its fork and join cost some microseconds:
-   more than tiny's whole layer at one row). */
+/* Whether a call's work (rows x state elements) is worth a parallel region: its fork and join
+   cost some microseconds, more than tiny's whole layer (4 heads of 32 x 32, about 2 us a row);
+   a 0.8B-like layer (16 heads of 128 x 128) took 87 us on one thread and 56 on two (two
+   shared cores, scripts/bench_gdn_rows.py). */
 static inline int team(int threads, long work) {
   return threads > 1 && work >= (1L << 16) ? threads : 1;
 }
