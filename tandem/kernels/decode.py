@@ -40,6 +40,8 @@ dispatch layers down), views made once a batch, rows stacked rather than zeroed 
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 
@@ -147,7 +149,18 @@ def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
     rows past B pad a lone sequence to BLOCK rows), tails[b] [C, K-1] (sequence b's last K-1
     inputs, updated in place), weight [C, K] fp32. Returns [R, C] in x's dtype, a pad row a
     copy of row 0's. Each row is a multiply and a sum over the K taps on its own tail
-    (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B."""
+    (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B.
+    Where the native kernel runs and every tensor is fp32, csrc/gdn.c's conv: one call."""
+    if _native is None:
+        set_native(True)
+    if _native and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 \
+            and _all_fit(tails) and _all_fit([weight]) \
+            and weight.shape[1] <= _MAX_TAPS:
+        c, taps = weight.shape
+        y = torch.empty(x.shape[0], c, dtype=torch.float32)
+        _CONV()(len(tails), x.data_ptr(), x.stride(0), _pointers(tails, tails),
+                weight.data_ptr(), c, taps, y.data_ptr(), c)
+        return _pad(y, len(tails))
     cols = x.unsqueeze(-1)  # [R, C, 1]
     same = x.dtype == torch.float32
     out = []
@@ -168,6 +181,18 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     [Hv, dk, dv] fp32, updated in place. Returns o [R, Hv, dv] fp32, a pad row a copy of row
     0's. Sequence b's arithmetic is its own rows' alone."""
     r, h, dv = v.shape
+    if _native is None:
+        set_native(True)
+    if _native and _all_fit(states) and all(t.dtype == torch.float32 and t.device.type == "cpu"
+                                            for t in (q, k, v, decay, beta)):
+        # contiguous at every R (a slice's rows lie apart, but one row is always one run): the
+        # same kernel for a row alone and batched
+        q, k, v, decay, beta = (t.contiguous() for t in (q, k, v, decay, beta))
+        n, dk = len(states), q.shape[-1]
+        o = torch.empty(r, h, dv, dtype=torch.float32)
+        _DELTA()(n, q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
+                 _pointers(states, states), h, dk, dv, o.data_ptr(), torch.get_num_threads())
+        return _pad(o, n)
     # Every row's operands as the per-head [H, 1, d] and [H, d, 1] matrices bmm takes, viewed
     # once for the batch (a view per row and operand cost as much as the arithmetic).
     k_rows = k.unsqueeze(2)  # [R, H, 1, dk]
@@ -182,3 +207,111 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         s.baddbmm_(k_cols[b], delta)  # s + k^T delta
         out.append(torch.bmm(q_rows[b], s))
     return torch.stack(out + out[:1] * (r - len(states))).view(r, h, dv)
+
+
+# -- the native GDN middle (csrc/gdn.c) ---------------------------------------------------------
+
+_MAX_TAPS = 16  # gdn.c's conv holds a channel's taps in a 16-float array
+
+
+def _native_fn(name: str):
+    from tandem.kernels import native
+
+    fn = None
+
+    def get():
+        nonlocal fn
+        if fn is None:
+            fn = native.function(name)
+        return fn
+    return get
+
+
+_CONV = _native_fn("tandem_conv_rows_f32")
+_DELTA = _native_fn("tandem_delta_rows_f32")
+_GDN = _native_fn("tandem_gdn_rows_f32")
+
+
+def _all_fit(tensors) -> bool:
+    """fp32 CPU tensors, each one run of memory (a state, a tail, a constant)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
+
+
+def _pointers(*groups: list[torch.Tensor]):
+    addresses = [t.data_ptr() for group in groups for t in group]
+    return (ctypes.c_void_p * len(addresses))(*addresses)
+
+
+def _pad(out: torch.Tensor, n: int) -> torch.Tensor:
+    """Rows past the n sequences a copy of row 0's, as the torch path pads."""
+    if out.shape[0] > n:
+        out[n:] = out[0]
+    return out
+
+
+class _GdnConsts(ctypes.Structure):
+    _fields_ = [("conv_w", ctypes.c_void_p), ("neg_a", ctypes.c_void_p),
+                ("dt_bias", ctypes.c_void_p), ("norm_w", ctypes.c_void_p),
+                ("taps", ctypes.c_long), ("hk", ctypes.c_long), ("hv", ctypes.c_long),
+                ("dk", ctypes.c_long), ("dv", ctypes.c_long), ("l2_eps", ctypes.c_float),
+                ("q_scale", ctypes.c_float), ("eps", ctypes.c_float)]  # gdn.c's gdn_layer
+
+
+class GdnLayer:
+    """A GDN layer's decode middle on the native kernel (csrc/gdn.c), between its in_proj and
+    its out_proj: its constants checked and packed once a layer (``build``), then one call a
+    step (a wave of a ragged step). A row's bits are a function of its own inputs, tail and
+    state alone: the same at any place of any call, on any thread count."""
+
+    def __init__(self, consts: tuple[torch.Tensor, ...], dims: tuple[int, int, int, int],
+                 scalars: tuple[float, float, float]):
+        self._consts = consts  # kept alive: the struct holds their addresses
+        conv_w, neg_a, dt_bias, norm_w = consts
+        self.dims = dims
+        self._struct = _GdnConsts(conv_w.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
+                                  norm_w.data_ptr(), conv_w.shape[1], *dims, *scalars)
+        self._ref = ctypes.byref(self._struct)
+
+    @classmethod
+    def build(cls, consts: tuple[torch.Tensor, ...], dims: tuple[int, int, int, int],
+              scalars: tuple[float, float, float]) -> "GdnLayer | None":
+        """``consts``: the conv taps [C, K], -exp(A_log) and dt_bias [hv], the norm's weight
+        [dv]; ``dims`` (hk, hv, dk, dv); ``scalars`` (l2norm's eps, q's scale, the norm's eps).
+        None where the native kernel is off or the constants are not fp32 CPU runs of memory
+        of those shapes."""
+        if _native is None:
+            set_native(True)
+        hk, hv, dk, dv = dims
+        conv_w, neg_a, dt_bias, norm_w = consts
+        if not (_native and _all_fit(consts) and hk > 0 and hv % hk == 0
+                and conv_w.dim() == 2 and conv_w.shape[0] == 2 * hk * dk + hv * dv
+                and 1 <= conv_w.shape[1] <= _MAX_TAPS
+                and neg_a.shape == (hv,) and dt_bias.shape == (hv,) and norm_w.shape == (dv,)):
+            return None
+        return cls(consts, dims, scalars)
+
+    @staticmethod
+    def fits(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, z: torch.Tensor,
+             sections: list[torch.Tensor]) -> bool:
+        """Whether a step's operands are the kernel's, of a model whose rows and sections are
+        fp32 on the CPU: [R, width] rows whose elements are adjacent (a projection's slices),
+        the sequences' tails and states (``sections``) runs of memory."""
+        return (all(t.stride(1) == 1 for t in (mixed, a, b, z))
+                and all(t.is_contiguous() for t in sections))
+
+    def __call__(self, out: torch.Tensor, rows: list[int] | None, mixed: torch.Tensor,
+                 a: torch.Tensor, b: torch.Tensor, z: torch.Tensor, tails: tuple[list, list],
+                 states: tuple[list, list]) -> None:
+        """The middle for the sequences' rows ``rows`` of the inputs (None: rows 0..len - 1):
+        mixed [., C] (q, k, v before the conv), a, b [., hv], z [., hv dv]; each row's tail
+        [C, K-1] read from ``tails[0][r]`` and written to ``tails[1][r]``, its state [hv, dk,
+        dv] from ``states[0][r]`` to ``states[1][r]`` (the same tensors for a decode, which
+        advances in place; a verify row's own copy). Writes ``out``'s rows [hv dv] (fp32, rows
+        ``out.stride(0)`` apart), ready for out_proj."""
+        n = len(tails[0])
+        index = None if rows is None else (ctypes.c_long * n)(*rows)
+        _GDN()(self._ref, n, index, mixed.data_ptr(), mixed.stride(0), a.data_ptr(),
+               a.stride(0), b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
+               _pointers(tails[0], tails[1], states[0], states[1]), out.data_ptr(),
+               out.stride(0), torch.get_num_threads())

@@ -42,6 +42,7 @@ log = structlog.get_logger(__name__)
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))  # one library of them all
 FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
          "-fPIC", "-shared")
+LIBS = ("-lm",)  # after the sources: gdn.c's expf, log1pf and sqrtf
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -68,7 +69,7 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
-    digest = hashlib.sha256(_sources_bytes() + repr((FLAGS, version)).encode()).hexdigest()
+    digest = hashlib.sha256(_sources_bytes() + repr((FLAGS, LIBS, version)).encode()).hexdigest()
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"tandem-native-{os.getuid()}"):
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -79,7 +80,7 @@ def _build(cc: str) -> Path:
             return target
         tmp = root / f".{target.name}.{os.getpid()}.tmp"
         try:
-            subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True,
+            subprocess.run([cc, *FLAGS, *map(str, SOURCES), *LIBS, "-o", str(tmp)], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)
             log.info("native_kernel_built", path=str(target), compiler=cc)
@@ -105,6 +106,13 @@ SIGNATURES: dict[str, list] = {
     "tandem_attn_rows_f32": [_P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, _P, _P, _F, _P, _P,
                              _P, _P, _L, _P, _F, _P, _P],
 }
+
+# csrc/gdn.c: a GDN layer's decode middle (decode.GdnLayer), its conv and its recurrent step
+SIGNATURES.update({
+    "tandem_conv_rows_f32": [_L, _P, _L, _P, _P, _L, _L, _P, _L],
+    "tandem_delta_rows_f32": [_L, _P, _P, _P, _P, _P, _P, _L, _L, _L, _P, _I],
+    "tandem_gdn_rows_f32": [_P, _L, _P, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I],
+})
 
 
 def _load() -> ctypes.CDLL | None:

@@ -925,6 +925,24 @@ class HybridModel:
         else:
             a, b, mixed, z = self._project(p + "in_proj", h)
         conv_w = self._gain[p + "conv1d.weight"]
+        if decode_ops.block() == 1 and self.dtype == torch.float32 \
+                and self.state_dtype == torch.float32:
+            # the native kernel's whole middle (csrc/gdn.c), one call a layer (a wave of a
+            # ragged step); forward_batch and forward_ragged call the same one
+            layer = self._gdn_native(i)
+            z2 = z if z.dim() == 2 else z.reshape(n, hv * dv)
+            sections = (tails + recur if ragged is None else
+                        [t[name][slot] for t in ragged.sections for name in t])
+            if layer is not None and layer.fits(mixed, a, b, z2, sections):
+                o = torch.empty(n, hv * dv, dtype=torch.float32)
+                if ragged is None:
+                    layer(o, None, mixed, a, b, z2, (tails, tails), (recur, recur))
+                    if n > len(tails):  # a pad row (none on the native path): row 0's, as ever
+                        o[len(tails):] = o[0]
+                else:
+                    ragged.run_native(lambda rows, t, s: layer(o, rows, mixed, a, b, z2, t, s),
+                                      slot)
+                return self._linear(o, p + "out_proj.weight")
         if ragged is None:
             mixed = kernels.causal_conv1d_rows(mixed, tails, conv_w)
         else:
@@ -967,6 +985,17 @@ class HybridModel:
         if o.dtype != self.dtype:
             o = o.to(self.dtype)
         return self._linear(o.reshape(n, -1), p + "out_proj.weight")
+
+    def _gdn_native(self, i: int) -> "decode_ops.GdnLayer | None":
+        """Layer i's constants for the native GDN middle, built on its first decode step (None
+        where they do not fit it)."""
+        layers = self.__dict__.setdefault("_gdn_layers", {})
+        if i not in layers:
+            c, w, p, _, hk, hv, dk, dv = self._gdn_dims(i)
+            layers[i] = decode_ops.GdnLayer.build(
+                (self._gain[p + "conv1d.weight"], self._gain[p + "A_log"], w[p + "dt_bias"],
+                 w[p + "norm.weight"]), (hk, hv, dk, dv), (1e-6, dk ** -0.5, c.rms_norm_eps))
+        return layers[i]
 
     def _attention_rows(self, i: int, h: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], positions: list[int], cos: torch.Tensor,
@@ -1072,6 +1101,26 @@ class _Ragged:
                 out = got.new_empty((len(self.rows),) + tuple(got.shape[1:]))
             out[idx] = got
         return out
+
+    def run_native(self, fn, slot: int) -> None:
+        """``fn(rows, (tails in, tails out), (states in, states out))`` wave by wave (the native
+        GDN middle, which reads a state from one tensor and writes it to another): a decode row
+        advances its sections in place, a verify row t reads the state its row t - 1 left (its
+        sequence's, at t = 0) and writes ``work[b][name][t]``, so no copy is made before it."""
+        for wave, _ in self.waves:
+            pairs = {"gdn.conv": ([], []), "gdn.S": ([], [])}
+            for r in wave:
+                b, j = self.rows[r]
+                work = self.work[b]
+                for name, (src, dst) in pairs.items():
+                    here = self.sections[b][name][slot]
+                    if work is None:
+                        src.append(here)
+                        dst.append(here)
+                    else:
+                        src.append(here if j == 0 else work[name][j - 1, slot])
+                        dst.append(work[name][j, slot])
+            fn(wave, pairs["gdn.conv"], pairs["gdn.S"])
 
     def steps(self) -> list[dict[str, torch.Tensor] | None]:
         return list(self.work)

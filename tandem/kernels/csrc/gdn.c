@@ -1,0 +1,270 @@
+/* A Gated DeltaNet layer's decode middle for R rows at once, on x86-64 with AVX-512: the causal
+   conv of each row's token on its own tail, the gates, the recurrent step on its own state, and
+   the gated RMS norm, between the layer's in_proj and out_proj matmuls (rows.c). It replaces
+   some hundred small torch ops a layer (HybridModel._gdn_rows's torch path) by one call.
+
+   Every output is the same arithmetic wherever and with whatever neighbours it is computed: a
+   row's work reads only its own inputs, tail and state, each element passes through one fixed
+   sequence of operations (vectors of 16 lanes along a head's or a row's last axis, a masked
+   last vector through the same code, sums over an axis in ascending order or by one fixed
+   lane tree), and a (row, head) task is the same code on whichever thread runs it. So a row's
+   bits are a function of its own inputs alone, at any R, place, thread count (issue 14's batch
+   invariance), by construction. Nothing here is compiled with -ffast-math.
+
+   States are read from one pointer and written to another (the same for a decode step, which
+   advances its state in place; the next position's copy for a verify block's row), so a
+   verify row runs the very arithmetic of a decode. Where in and out are the same, every
+   element is read before it is written. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline __mmask16 lanes(long n) {
+  return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+}
+
+static inline float sum16(__m512 a) {
+  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+  return _mm_cvtss_f32(s1);
+}
+
+/* sum of x[i]^2 over n: a 16-lane accumulator in ascending vectors, then the lane tree */
+static inline float sum_squares(const float *x, long n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (long i = 0; i < n; i += 16) {
+    __m512 v = _mm512_maskz_loadu_ps(lanes(n - i), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return sum16(acc);
+}
+
+/* e^x on 16 lanes: x = n ln2 + r (ln2 in two parts), Cephes' degree-6 polynomial for e^r on
+   |r| <= ln2 / 2, then scalef by 2^n. x is clamped first to [-104, 89], past which e^x is 0 and
+   inf in fp32 (scalef gives them), so that r stays small; a NaN lane stays NaN. */
+static inline __m512 exp16(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(89.0f), lo = _mm512_set1_ps(-104.0f);
+  __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512 e = _mm512_scalef_ps(p, n);
+  /* the clamp turned a NaN into a bound (min/max return their second operand on NaN) */
+  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+/* x / (1 + e^-x) */
+static inline __m512 silu16(__m512 x) {
+  __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+  return _mm512_div_ps(x, d);
+}
+
+/* One row's causal conv with SiLU: y[c] = silu(sum_j full[c, j] w[c, j]) over the K taps of
+   full = [tail_in[c, :], x[c]] in ascending j (a product, then FMAs); tail_out[c, :] = full[c,
+   1:]. Sixteen channels a vector, their taps and tails gathered (a masked last group through
+   the same code). A group's reads come before its writes, so tail_in may be tail_out. */
+static void conv_row(const float *x, const float *tail_in, float *tail_out, const float *w,
+                     long C, long K, float *y) {
+  const long km = K - 1;
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i tail_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)km));
+  const __m512i w_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)K));
+  for (long c = 0; c < C; c += 16) {
+    __mmask16 m = lanes(C - c);
+    const float *t = tail_in + c * km, *wc = w + c * K;
+    __m512 full[16];
+    for (long j = 0; j < km; j++)
+      full[j] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
+                                         _mm512_add_epi32(tail_at, _mm512_set1_epi32((int)j)),
+                                         t, 4);
+    full[km] = _mm512_maskz_loadu_ps(m, x + c);
+    __m512 acc = _mm512_setzero_ps();
+    for (long j = 0; j < K; j++) {
+      __m512 wj = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
+                                           _mm512_add_epi32(w_at, _mm512_set1_epi32((int)j)),
+                                           wc, 4);
+      acc = j == 0 ? _mm512_mul_ps(full[0], wj) : _mm512_fmadd_ps(full[j], wj, acc);
+    }
+    float *to = tail_out + c * km;
+    for (long j = 0; j < km; j++)
+      _mm512_mask_i32scatter_ps(to, m, _mm512_add_epi32(tail_at, _mm512_set1_epi32((int)j)),
+                                full[j + 1], 4);
+    _mm512_mask_storeu_ps(y + c, m, silu16(acc));
+  }
+}
+
+/* q or k's head in place: x * (1 / sqrt(sum x^2 + eps)) (reference.l2norm), then * scale */
+static void l2norm_head(float *x, long d, float eps, float scale, int scaled) {
+  float r = 1.0f / sqrtf(sum_squares(x, d) + eps);
+  for (long i = 0; i < d; i += 16) {
+    __mmask16 m = lanes(d - i);
+    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(r));
+    if (scaled) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(x + i, m, v);
+  }
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* torch's F.softplus at beta 1, threshold 20 */
+static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* decay = exp(-exp(A_log) * softplus(a + dt_bias)) (neg_A = -exp(A_log)), beta = sigmoid(b) */
+static inline void gates(const float *a, const float *b, const float *neg_A, const float *dt_bias,
+                         long hv, float *decay, float *beta) {
+  for (long h = 0; h < hv; h++) {
+    decay[h] = expf(neg_A[h] * softplusf(a[h] + dt_bias[h]));
+    beta[h] = sigmoidf(b[h]);
+  }
+}
+
+#define JB 8  /* vectors of a state row's columns carried at once: 128 floats */
+
+/* One head's recurrent step: S = decay * S_in; delta = (v - k^T S) * beta; S_out = S + k delta^T;
+   o = q S_out (S [dk, dv], rows dv apart). Pass 1 reads S_in and sums k^T S over the rows in
+   ascending order; pass 2 recomputes decay * S_in (the same bits), writes S_out and sums q S_out
+   in ascending rows. So S_in may be S_out: pass 2 reads each element before it writes it. */
+static void delta_head(const float *q, const float *k, const float *v, float decay, float beta,
+                       const float *s_in, float *s_out, long dk, long dv, float *o) {
+  const __m512 dvec = _mm512_set1_ps(decay), bvec = _mm512_set1_ps(beta);
+  for (long j0 = 0; j0 < dv; j0 += 16 * JB) {
+    long width = dv - j0 < 16 * JB ? dv - j0 : 16 * JB;
+    int nv = (int)((width + 15) / 16);
+    __mmask16 m[JB];
+    __m512 acc[JB], delta[JB];
+    for (int u = 0; u < JB; u++) {
+      m[u] = u < nv ? lanes(width - 16 * u) : 0;
+      acc[u] = _mm512_setzero_ps();
+    }
+    for (long i = 0; i < dk; i++) {
+      const float *row = s_in + i * dv + j0;
+      __m512 ki = _mm512_set1_ps(k[i]);
+      for (int u = 0; u < nv; u++) {
+        __m512 s = _mm512_mul_ps(dvec, _mm512_maskz_loadu_ps(m[u], row + 16 * u));
+        acc[u] = _mm512_fmadd_ps(ki, s, acc[u]);
+      }
+    }
+    for (int u = 0; u < nv; u++) {
+      __m512 vv = _mm512_maskz_loadu_ps(m[u], v + j0 + 16 * u);
+      delta[u] = _mm512_mul_ps(_mm512_sub_ps(vv, acc[u]), bvec);
+      acc[u] = _mm512_setzero_ps();
+    }
+    for (long i = 0; i < dk; i++) {
+      const float *row = s_in + i * dv + j0;
+      float *dst = s_out + i * dv + j0;
+      __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+      for (int u = 0; u < nv; u++) {
+        __m512 s = _mm512_mul_ps(dvec, _mm512_maskz_loadu_ps(m[u], row + 16 * u));
+        s = _mm512_fmadd_ps(ki, delta[u], s);
+        _mm512_mask_storeu_ps(dst + 16 * u, m[u], s);
+        acc[u] = _mm512_fmadd_ps(qi, s, acc[u]);
+      }
+    }
+    for (int u = 0; u < nv; u++) _mm512_mask_storeu_ps(o + j0 + 16 * u, m[u], acc[u]);
+  }
+}
+
+/* The GDN output norm of one head in place: w * (o * (1 / sqrt(mean(o^2) + eps))) * silu(z) */
+static void gated_norm_head(float *o, const float *z, const float *w, long dv, float eps) {
+  float r = 1.0f / sqrtf(sum_squares(o, dv) / (float)dv + eps);
+  for (long j = 0; j < dv; j += 16) {
+    __mmask16 m = lanes(dv - j);
+    __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + j), _mm512_set1_ps(r));
+    x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), x);
+    x = _mm512_mul_ps(x, silu16(_mm512_maskz_loadu_ps(m, z + j)));
+    _mm512_mask_storeu_ps(o + j, m, x);
+  }
+}
+
+/* Whether a call's work (rows x state elements) is worth a parallel region: its fork and join
+   cost some microseconds, more than tiny's whole layer (4 heads of 32 x 32, about 2 us a row);
+   a 0.8B-like layer (16 heads of 128 x 128) took 87 us on one thread and 56 on two (two
+   shared cores, scripts/bench_gdn_rows.py). */
+static inline int team(int threads, long work) {
+  return threads > 1 && work >= (1L << 16) ? threads : 1;
+}
+
+/* The conv for R rows: row r reads x + r * ldx and its tail ptrs[r] (tails_in) and writes
+   ptrs[R + r] (tails_out) and y + r * ldy. */
+void tandem_conv_rows_f32(long R, const float *x, long ldx, float *const *ptrs, const float *w,
+                          long C, long K, float *y, long ldy) {
+  for (long r = 0; r < R; r++) conv_row(x + r * ldx, ptrs[r], ptrs[R + r], w, C, K, y + r * ldy);
+}
+
+/* The recurrent step for R rows on prepared inputs (q, k [R, hv, dk] normalised, q scaled,
+   heads repeated; v [R, hv, dv]; decay, beta [R, hv]; all contiguous): row r's state [hv, dk,
+   dv] from ptrs[r], to ptrs[R + r]; o [R, hv, dv]. */
+void tandem_delta_rows_f32(long R, const float *q, const float *k, const float *v,
+                           const float *decay, const float *beta, float *const *ptrs, long hv,
+                           long dk, long dv, float *o, int threads) {
+  long tasks = R * hv;
+  const int nt = team(threads, tasks * dk * dv);
+  #pragma omp parallel for if(nt > 1) num_threads(nt) schedule(static)
+  for (long t = 0; t < tasks; t++) {
+    long r = t / hv, h = t % hv;
+    delta_head(q + t * dk, k + t * dk, v + t * dv, decay[t], beta[t],
+               ptrs[r] + h * dk * dv, ptrs[R + r] + h * dk * dv, dk, dv, o + t * dv);
+  }
+}
+
+/* A GDN layer's constants, as decode.GdnLayer builds them once a layer */
+struct gdn_layer {
+  const float *conv_w;  /* [C, K] */
+  const float *neg_A, *dt_bias;  /* [hv]: -exp(A_log), dt_bias */
+  const float *norm_w;  /* [dv] */
+  long K, hk, hv, dk, dv;
+  float l2_eps, q_scale, eps;
+};
+
+/* A GDN layer's whole decode middle for R rows. Row r reads input row i = rows[r] (rows NULL:
+   i = r) of mixed [., C] (the in_proj's q, k, v parts before the conv, C = 2 hk dk + hv dv),
+   a, b [., hv] and z [., hv dv] (each at its own row stride), its tail [C, K-1] from ptrs[r]
+   to ptrs[R + r] and its state [hv, dk, dv] from ptrs[2R + r] to ptrs[3R + r], and writes out
+   row i [hv dv], ready for out_proj. q and k are l2-normalised per key head (eps l2_eps), q
+   scaled by q_scale, value head h reading key head h / (hv / hk) (repeat_interleave). */
+void tandem_gdn_rows_f32(const struct gdn_layer *L, long R, const long *rows, const float *mixed,
+                         long ld_mixed, const float *a, long ld_a, const float *b, long ld_b,
+                         const float *z, long ld_z, float *const *ptrs, float *out, long ld_out,
+                         int threads) {
+  const long hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv;
+  const long kd = hk * dk, C = 2 * kd + hv * dv, ratio = hv / hk;
+  const long per_row = C + 2 * hv;  /* a row's scratch: the conv's output, then decay, beta */
+  float *scratch = aligned_alloc(64, (size_t)((R * per_row * 4 + 63) / 64 * 64));
+  if (scratch == NULL) return;
+  const int nt = team(threads, R * hv * dk * dv);
+  #pragma omp parallel if(nt > 1) num_threads(nt)
+  {
+    #pragma omp for schedule(static)
+    for (long r = 0; r < R; r++) {
+      long i = rows ? rows[r] : r;
+      float *y = scratch + r * per_row;
+      conv_row(mixed + i * ld_mixed, ptrs[r], ptrs[R + r], L->conv_w, C, L->K, y);
+      for (long h = 0; h < 2 * hk; h++)
+        l2norm_head(y + h * dk, dk, L->l2_eps, L->q_scale, h < hk);
+      gates(a + i * ld_a, b + i * ld_b, L->neg_A, L->dt_bias, hv, y + C, y + C + hv);
+    }
+    #pragma omp for schedule(static)
+    for (long t = 0; t < R * hv; t++) {
+      long r = t / hv, h = t % hv, i = rows ? rows[r] : r;
+      const float *y = scratch + r * per_row;
+      float *o = out + i * ld_out + h * dv;
+      long g = h / ratio;
+      delta_head(y + g * dk, y + kd + g * dk, y + 2 * kd + h * dv, y[C + h], y[C + hv + h],
+                 ptrs[2 * R + r] + h * dk * dv, ptrs[3 * R + r] + h * dk * dv, dk, dv, o);
+      gated_norm_head(o, z + i * ld_z + h * dv, L->norm_w, dv, L->eps);
+    }
+  }
+  free(scratch);
+}
