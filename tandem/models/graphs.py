@@ -407,7 +407,7 @@ def _verify_step(model, states: list[ModelState], blocks: list[list[int]], verif
                  ) -> Callable[[], tuple[list[torch.Tensor], list]]:
     """HybridModel.forward_ragged's verify path, static: its work in the arenas, its index
     tensors made here (outside a capture) and kept by the entry."""
-    from tandem.models.hybrid import VERIFY_HEAD_ROWS, _Ragged, _rms_rows
+    from tandem.models.hybrid import _Ragged, _rms_rows, verify_head_groups
 
     rows = sum(len(b) for b in blocks)
     buf = entry.inputs
@@ -418,21 +418,8 @@ def _verify_step(model, states: list[ModelState], blocks: list[list[int]], verif
     arange = model.graphs.arange(model.device, max(spans))
     keys = [s.views["K"].tensor for s, b in zip(states, blocks) for _ in b]
     values = [s.views["V"].tensor for s, b in zip(states, blocks) for _ in b]
-    first = [0]
-    for b in blocks:
-        first.append(first[-1] + len(b))
     # the verify rows' head in groups of whole blocks, as forward_ragged groups them
-    groups: list[tuple[list[int], torch.Tensor]] = []
-    group: list[int] = []
-    for b in [b for b, v in enumerate(verify) if v] + [None]:
-        if b is None or (group and sum(len(blocks[g]) for g in group) + len(blocks[b])
-                         > VERIFY_HEAD_ROWS):
-            if group:
-                idx = torch.cat([torch.arange(first[g], first[g + 1]) for g in group])
-                groups.append((group, idx.to(model.device)))
-            group = []
-        if b is not None:
-            group.append(b)
+    groups = verify_head_groups(blocks, verify, model.device)
     decoded = [ragged.rows[r][0] for r in ragged.decode_rows]
     entry.keep = [arange, ragged.decode_index, [i for _, i in ragged.waves],
                   [i for _, i in groups], [a.work for a in arenas if a is not None]]

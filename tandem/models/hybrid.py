@@ -801,29 +801,18 @@ class HybridModel:
         _, x = self._residual_norm(x, None, "norm.weight",
                                    decode_ops.block() == 1 and native_rows_fit(x))
         logits: list[torch.Tensor | None] = [None] * len(blocks)
-        first = [0]
-        for b in blocks:
-            first.append(first[-1] + len(b))
         if ragged.decode_rows:
             heads = self._linear(x[ragged.decode_index], "lm_head.weight").float()
             for row, (b, _) in zip(heads, (ragged.rows[r] for r in ragged.decode_rows)):
                 logits[b] = row[None]
         # the verify rows' head a group of whole blocks at a time, each block's logits a view
         # of its group's result (no copy of rows x vocab floats)
-        group: list[int] = []
-        for b in [b for b, v in enumerate(verify) if v] + [None]:
-            if b is None or (group and sum(len(blocks[g]) for g in group) + len(blocks[b])
-                             > VERIFY_HEAD_ROWS):
-                if group:
-                    idx = torch.cat([torch.arange(first[g], first[g + 1]) for g in group])
-                    res = self._verify_head(x[idx.to(self.device)])
-                    at = 0
-                    for g in group:
-                        logits[g] = res[at:at + len(blocks[g])]
-                        at += len(blocks[g])
-                group = []
-            if b is not None:
-                group.append(b)
+        for group, idx in verify_head_groups(blocks, verify, self.device):
+            res = self._verify_head(x[idx])
+            at = 0
+            for g in group:
+                logits[g] = res[at:at + len(blocks[g])]
+                at += len(blocks[g])
         return logits, ragged.steps()
 
     def _verify_head(self, x: torch.Tensor) -> torch.Tensor:
@@ -1047,6 +1036,27 @@ class HybridModel:
         out = out.view(n, nh * hd) * each_row(torch.sigmoid, gate)
         out = self._linear(out, p + "o_proj.weight")
         return out + w[p + "o_proj.bias"] if c.attention_bias else out
+
+
+def verify_head_groups(blocks: list[list[int]], verify: list[bool],
+                       device) -> list[tuple[list[int], torch.Tensor]]:
+    """The verify blocks of a ragged step in groups of whole blocks of at most VERIFY_HEAD_ROWS
+    rows (a block over it alone), each with the index of its rows among the step's."""
+    first = [0]
+    for b in blocks:
+        first.append(first[-1] + len(b))
+    out: list[tuple[list[int], torch.Tensor]] = []
+    group: list[int] = []
+    for b in [b for b, v in enumerate(verify) if v] + [None]:
+        if b is None or (group and sum(len(blocks[g]) for g in group) + len(blocks[b])
+                         > VERIFY_HEAD_ROWS):
+            if group:
+                idx = torch.cat([torch.arange(first[g], first[g + 1]) for g in group])
+                out.append((group, idx.to(device)))
+            group = []
+        if b is not None:
+            group.append(b)
+    return out
 
 
 # The most verify rows one head call takes (torch.mm(W, X^T) gave a row the same bits for every

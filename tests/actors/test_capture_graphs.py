@@ -28,23 +28,9 @@ TIMEOUT_S = 30
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
-def _torch_matmuls():
-    """The recorded graph sees torch's ops alone: decode's native CPU kernel, where the decode
-    module has one (it bypasses torch's dispatch), is off for these tests."""
-    from tandem.kernels import decode as decode_ops
-
-    set_native = getattr(decode_ops, "set_native", None)
-    if set_native is None:
-        yield
-        return
-    before = decode_ops._native
-    set_native(False)
-    yield
-    if before is not None:
-        set_native(before)
-    else:
-        decode_ops._native, decode_ops.BLOCK = None, decode_ops.TORCH_BLOCK
+# The recorded graph sees torch's ops alone: decode's native CPU kernels bypass torch's
+# dispatch, so these tests run torch's matmuls (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("torch_matmuls")
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,6 @@
 
 #include "lanes.h"
 
-static inline __mmask16 tail_mask(long left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-
 static inline float dot(const float *a, const float *b, long d) {
   __m512 acc = _mm512_setzero_ps();
   for (long i = 0; i < d; i += 16) {

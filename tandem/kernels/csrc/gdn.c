@@ -21,26 +21,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline __mmask16 lanes(long n) {
-  return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
-}
+#include "lanes.h"
 
-static inline float sum16(__m512 a) {
-  __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
-  return _mm_cvtss_f32(s1);
-}
 
 /* sum of x[i]^2 over n: a 16-lane accumulator in ascending vectors, then the lane tree */
 static inline float sum_squares(const float *x, long n) {
   __m512 acc = _mm512_setzero_ps();
   for (long i = 0; i < n; i += 16) {
-    __m512 v = _mm512_maskz_loadu_ps(lanes(n - i), x + i);
+    __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
-  return sum16(acc);
+  return tree1(acc);
 }
 
 /* e^x on 16 lanes: x = n ln2 + r (ln2 in two parts), Cephes' degree-6 polynomial for e^r on
@@ -82,7 +73,7 @@ static void conv_row(const float *x, const float *tail_in, float *tail_out, cons
   const __m512i tail_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)km));
   const __m512i w_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)K));
   for (long c = 0; c < C; c += 16) {
-    __mmask16 m = lanes(C - c);
+    __mmask16 m = tail_mask(C - c);
     const float *t = tail_in + c * km, *wc = w + c * K;
     __m512 full[16];
     for (long j = 0; j < km; j++)
@@ -109,7 +100,7 @@ static void conv_row(const float *x, const float *tail_in, float *tail_out, cons
 static void l2norm_head(float *x, long d, float eps, float scale, int scaled) {
   float r = 1.0f / sqrtf(sum_squares(x, d) + eps);
   for (long i = 0; i < d; i += 16) {
-    __mmask16 m = lanes(d - i);
+    __mmask16 m = tail_mask(d - i);
     __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(r));
     if (scaled) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(x + i, m, v);
@@ -145,7 +136,7 @@ static void delta_head(const float *q, const float *k, const float *v, float dec
     __mmask16 m[JB];
     __m512 acc[JB], delta[JB];
     for (int u = 0; u < JB; u++) {
-      m[u] = u < nv ? lanes(width - 16 * u) : 0;
+      m[u] = u < nv ? tail_mask(width - 16 * u) : 0;
       acc[u] = _mm512_setzero_ps();
     }
     for (long i = 0; i < dk; i++) {
@@ -180,7 +171,7 @@ static void delta_head(const float *q, const float *k, const float *v, float dec
 static void gated_norm_head(float *o, const float *z, const float *w, long dv, float eps) {
   float r = 1.0f / sqrtf(sum_squares(o, dv) / (float)dv + eps);
   for (long j = 0; j < dv; j += 16) {
-    __mmask16 m = lanes(dv - j);
+    __mmask16 m = tail_mask(dv - j);
     __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + j), _mm512_set1_ps(r));
     x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), x);
     x = _mm512_mul_ps(x, silu16(_mm512_maskz_loadu_ps(m, z + j)));

@@ -1,4 +1,4 @@
-/* What the native kernels share: the one lane tree every 16-lane sum ends with. */
+/* What the native kernels share: the one lane tree every 16-lane sum ends with, the tail's mask. */
 #ifndef TANDEM_LANES_H
 #define TANDEM_LANES_H
 #include <immintrin.h>
@@ -11,6 +11,12 @@ static inline float tree1(__m512 a) {
   __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
   __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
   return _mm_cvtss_f32(s1);
+}
+
+
+/* The lanes of a vector that hold elements when ``left`` remain: all 16, or the first ``left``. */
+static inline __mmask16 tail_mask(long left) {
+  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
 }
 
 #endif

@@ -8,10 +8,6 @@
 #include "lanes.h"
 
 
-static inline __mmask16 tail_mask(long left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
-
 /* out = x * rsqrt(mean(x * x) + eps) * gain over one row of d. */
 static inline void rms_row(const float *x, long d, const float *gain, float eps, float *out) {
   __m512 acc = _mm512_setzero_ps();
