@@ -1,5 +1,6 @@
-"""Decode's CPU matmul as our own AVX-512 kernel (``csrc/rows.c``), built once by the machine's C
-compiler and loaded with ctypes.
+"""Decode's CPU kernels as our own AVX-512 C (``csrc/*.c``: the matmul, the row ops, attention, the
+GDN layer's middle), built once by the machine's C compiler into one library and loaded with
+ctypes.
 
 Why our own: a decode step reads every weight once a token, so its rate is the rate its matmuls
 read memory at, and a batched step must give each sequence the bits it gets alone (issue 14).
@@ -47,7 +48,6 @@ LIBS = ("-lm",)  # after the sources: gdn.c's expf, log1pf and sqrtf
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_enabled = True  # use_native(False) turns the kernel off for this process (tests, benchmarks)
 
 
 def _cpu_ok() -> bool:
@@ -146,17 +146,9 @@ def digest() -> str:
 
 
 def available() -> bool:
-    """Whether decode's fp32 CPU matmuls run on the native kernel in this process."""
-    return _enabled and _load() is not None
-
-
-def use_native(on: bool) -> bool:
-    """Turn the native kernel on or off for this process; returns the previous setting. A model
-    must not switch between steps of one conversation it compares bits across (the two paths
-    round differently); tests and benchmarks set it before they load one."""
-    global _enabled
-    previous, _enabled = _enabled, on
-    return previous
+    """Whether the native kernels build and load on this machine (decode.set_native chooses
+    whether decode uses them)."""
+    return _load() is not None
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
