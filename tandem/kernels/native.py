@@ -128,14 +128,28 @@ def _load() -> ctypes.CDLL | None:
         if cc is None:
             log.info("native_kernel_off", reason="no C compiler")
             return None
-        try:
-            lib = ctypes.CDLL(str(_build(cc)))
-        except (OSError, subprocess.SubprocessError) as exc:
-            log.warning("native_kernel_off", reason="build failed", error=str(exc)[-400:])
+        lib = None
+        for attempt in range(2):
+            try:
+                path = _build(cc)
+            except (OSError, subprocess.SubprocessError) as exc:
+                log.warning("native_kernel_off", reason="build failed", error=str(exc)[-400:])
+                return None
+            try:
+                lib = ctypes.CDLL(str(path))
+                for name, argtypes in SIGNATURES.items():
+                    fn = getattr(lib, name)
+                    fn.argtypes, fn.restype = argtypes, None
+                break
+            except (OSError, AttributeError) as exc:
+                # a cached library that does not load or lacks a function (a damaged or
+                # foreign file under our name): deleted and built again, once
+                log.warning("native_kernel_rebuilt", path=str(path), error=str(exc)[-200:])
+                path.unlink(missing_ok=True)
+                lib = None
+        if lib is None:
+            log.warning("native_kernel_off", reason="the built library does not load")
             return None
-        for name, argtypes in SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
         _lib = lib
         return lib
 

@@ -149,3 +149,18 @@ def test_the_knob_off_keeps_decode_on_torchs_path_and_on_takes_the_kernel():
         assert decode.block() == 1
     finally:
         decode.set_native(before)
+
+
+def test_a_damaged_cached_library_is_deleted_and_built_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_lib", None)
+    target = native._build(native._compiler())  # a good build under the test's cache
+    target.write_bytes(b"\x7fELF not a library")  # damaged where it lies
+    lib = native._load()
+    assert lib is not None and target.is_file() and target.read_bytes()[:4] == b"\x7fELF"
+    assert target.stat().st_size > 1000  # built again, not the damaged bytes
+    x, w = torch.randn(2, 20), torch.randn(30, 20)
+    out = torch.empty(2, 30)
+    lib.tandem_rows_f32(x.data_ptr(), 20, 2, w.data_ptr(), 30, 20, out.data_ptr(), 30, 1)
+    assert torch.allclose(out, x @ w.T, atol=1e-5)
