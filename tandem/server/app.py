@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from tandem.actors import Actor, ActorStopped, Supervisor
+from tandem.actors import Actor, ActorStopped, Supervisor, Trace
 from tandem.actors.compaction_preparer import (CompactionPreparer, GetPreparerStats,
                                                other_gpu_programs)
 from tandem.actors.disk_messages import ClearDisk, DrainDisk, GetDiskStats
@@ -180,7 +180,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                     guard=lambda: getattr(engine.disk_tier, "guard", None),
                     engine=engine)  # its saves of device rows hold the capture lock
                 engine.spill_writer = spill_writer
-    supervisor = Supervisor()
+    supervisor = Supervisor(trace=Trace(summarize=False))
     if suffix is not None:
         supervisor.add(suffix)  # before the engine: its drafter reads the suffix store
     if store is not None:

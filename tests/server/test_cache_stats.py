@@ -132,3 +132,18 @@ async def test_each_owner_keeps_its_own_accounts_and_tells_the_governor_what_it_
     own = {**resident.holdings.anchors.memory.holding(), **park.holdings.park.memory.holding(),
            **store.core.memory.holding(), "slots": actors["engine"].slot_rows_nbytes()}
     assert levels == own and levels["end"] > 0 and levels["store"] > 0 and levels["slots"] > 0
+
+
+async def test_the_servers_actor_trace_keeps_each_messages_route_and_time_but_no_contents(
+        small_loaded, make_config, serve, sdk):
+    """Nothing in the server reads a trace entry's summary, and making one walked every
+    message's token lists (a 16k-token warm hit paid tens of milliseconds on a cold CPU): the
+    server's trace records types, routes and handler times only."""
+    app = build_app(make_config(), small_loaded)
+    trace = app[SUPERVISOR].trace
+    async with serve(app) as server:
+        await sdk(server).chat.completions.create(
+            model="small", messages=[{"role": "user", "content": "a b c d"}], max_tokens=2)
+    entries = trace.entries()
+    assert entries and {e.type for e in entries} >= {"Generate"}
+    assert all(e.summary is None for e in entries)
