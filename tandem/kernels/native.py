@@ -14,13 +14,14 @@ once for up to any number of rows: measured on this machine's two cores (fp32, q
 21.8 GB/s where torch's two calls of two rows read it twice.
 
 A C compiler is on every machine tandem builds on (the CPU torch wheel's install needs none,
-but the Python headers' packages do), and the build takes about half a second; where there is
+but the Python headers' packages do), and the build takes a second or two; where there is
 none, or the CPU lacks AVX-512, or the build fails, ``available()`` is False and decode keeps
 torch's path, whose bits are its own too. The library links the libgomp torch loaded (the
 same soname), so its parallel regions run on torch's one OpenMP team (tandem/torch_thread.py).
 Built libraries live under ``$XDG_CACHE_HOME/tandem/native`` (else ``~/.cache/tandem/native``,
-else a temporary directory), named by a hash of the source, the flags and the compiler, and
-written by rename so that processes building at once never load half a file.
+else a temporary directory), named by a hash of the sources and headers, the flags and the
+compiler, and written by rename so that processes building at once never load half a file; one
+that does not load is deleted and built again.
 """
 
 from __future__ import annotations
