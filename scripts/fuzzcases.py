@@ -369,6 +369,11 @@ def generation_body(rng: random.Random, route: str, model: str, *, max_tokens: i
             body.pop(name, None)  # a required field missing, or an optional one gone
         else:
             body[name] = sampling_field(rng, name, long_max)
+    if chat and "max_tokens" not in body and "max_completion_tokens" not in body:
+        # A chat with no limit runs to the window's room, as OpenAI's does: minutes of a random
+        # model's tokens, which the fuzzer's read would cut and call a cut-short body. The
+        # missing max_tokens is kept, the newer spelling bounds the run.
+        body["max_completion_tokens"] = rng.randint(1, max_tokens)
     return body
 
 
