@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.kernels.native import fits as native_fits
+from tandem.kernels.native import function as native_function
 from tandem.kernels.native import rows_f32 as native_rows
 
 TORCH_BLOCK = 2  # the rows of every torch decode matmul: the most read at the GEMV's rate
@@ -54,26 +55,27 @@ TORCH_BLOCK = 2  # the rows of every torch decode matmul: the most read at the G
 # every row's bits are its own at any number of rows and the weights are read once a step for
 # the whole batch: no pad row, no pairs. _native is None until the first call decides.
 _native: bool | None = None
-BLOCK = TORCH_BLOCK  # the rows forward_batch gives a lone sequence: block() keeps it current
 
 
 def set_native(on: bool) -> bool:
     """Decode's fp32 CPU matmuls on the native kernel (where it builds) or on torch's path, for
     this process; returns whether the native kernel is now in use. The two round differently:
     set it before a model decodes, never between the steps a test compares."""
-    global _native, BLOCK
+    global _native
     from tandem.kernels import native
 
     _native = on and native.available()
-    BLOCK = 1 if _native else TORCH_BLOCK
     return _native
+
+
+def _on() -> bool:
+    """Whether decode runs on the native kernels (decided on first use, on by default)."""
+    return set_native(True) if _native is None else _native
 
 
 def block() -> int:
     """The rows a lone sequence's step carries (forward_batch's pad): 1 on the native kernel."""
-    if _native is None:
-        set_native(True)
-    return BLOCK
+    return 1 if _on() else TORCH_BLOCK
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -82,9 +84,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor,
     On the native kernel one call for any B; on torch's path ``weight_t``, ``weight.t()`` made
     once by a caller, saves F.linear's layers of dispatch (four calls on top of the one
     torch.mm that F.linear makes of a 2-D input: the same bits)."""
-    if _native is None:
-        set_native(True)
-    if _native and native_fits(x, weight):
+    if _on() and native_fits(x, weight):
         return native_rows(x, weight)
     wt = weight.t() if weight_t is None else weight_t
     b = x.shape[0]
@@ -146,20 +146,19 @@ def _one_call_is_each_row(x: torch.Tensor) -> bool:
 def causal_conv1d_rows(x: torch.Tensor, tails: list[torch.Tensor],
                        weight: torch.Tensor) -> torch.Tensor:
     """The GDN conv of one decode token for each of B sequences, with SiLU: x [R, C] (R >= B;
-    rows past B pad a lone sequence to BLOCK rows), tails[b] [C, K-1] (sequence b's last K-1
+    rows past B pad a lone sequence to TORCH_BLOCK rows), tails[b] [C, K-1] (sequence b's last K-1
     inputs, updated in place), weight [C, K] fp32. Returns [R, C] in x's dtype, a pad row a
     copy of row 0's. Each row is a multiply and a sum over the K taps on its own tail
     (F.conv1d's depthwise kernel cost 55-105 us a call at [C, K]), the same ops whatever B.
     Where the native kernel runs and every tensor is fp32, csrc/gdn.c's conv: one call."""
-    if _native is None:
-        set_native(True)
-    if _native and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 \
+    if _on() and x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 \
             and _all_fit(tails) and _all_fit([weight]) \
             and weight.shape[1] <= _MAX_TAPS:
         c, taps = weight.shape
         y = torch.empty(x.shape[0], c, dtype=torch.float32)
-        _CONV()(len(tails), x.data_ptr(), x.stride(0), _pointers(tails, tails),
-                weight.data_ptr(), c, taps, y.data_ptr(), c)
+        native_function("tandem_conv_rows_f32")(
+            len(tails), x.data_ptr(), x.stride(0), _pointers(tails, tails), weight.data_ptr(),
+            c, taps, y.data_ptr(), c)
         return _pad(y, len(tails))
     cols = x.unsqueeze(-1)  # [R, C, 1]
     same = x.dtype == torch.float32
@@ -181,17 +180,16 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     [Hv, dk, dv] fp32, updated in place. Returns o [R, Hv, dv] fp32, a pad row a copy of row
     0's. Sequence b's arithmetic is its own rows' alone."""
     r, h, dv = v.shape
-    if _native is None:
-        set_native(True)
-    if _native and _all_fit(states) and all(t.dtype == torch.float32 and t.device.type == "cpu"
+    if _on() and _all_fit(states) and all(t.dtype == torch.float32 and t.device.type == "cpu"
                                             for t in (q, k, v, decay, beta)):
         # contiguous at every R (a slice's rows lie apart, but one row is always one run): the
         # same kernel for a row alone and batched
         q, k, v, decay, beta = (t.contiguous() for t in (q, k, v, decay, beta))
         n, dk = len(states), q.shape[-1]
         o = torch.empty(r, h, dv, dtype=torch.float32)
-        _DELTA()(n, q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
-                 _pointers(states, states), h, dk, dv, o.data_ptr(), torch.get_num_threads())
+        native_function("tandem_delta_rows_f32")(
+            n, q.data_ptr(), k.data_ptr(), v.data_ptr(), decay.data_ptr(), beta.data_ptr(),
+            _pointers(states, states), h, dk, dv, o.data_ptr(), torch.get_num_threads())
         return _pad(o, n)
     # Every row's operands as the per-head [H, 1, d] and [H, d, 1] matrices bmm takes, viewed
     # once for the batch (a view per row and operand cost as much as the arithmetic).
@@ -212,24 +210,6 @@ def recurrent_gated_delta_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # -- the native GDN middle (csrc/gdn.c) ---------------------------------------------------------
 
 _MAX_TAPS = 16  # gdn.c's conv holds a channel's taps in a 16-float array
-
-
-def _native_fn(name: str):
-    from tandem.kernels import native
-
-    fn = None
-
-    def get():
-        nonlocal fn
-        if fn is None:
-            fn = native.function(name)
-        return fn
-    return get
-
-
-_CONV = _native_fn("tandem_conv_rows_f32")
-_DELTA = _native_fn("tandem_delta_rows_f32")
-_GDN = _native_fn("tandem_gdn_rows_f32")
 
 
 def _all_fit(tensors) -> bool:
@@ -280,11 +260,9 @@ class GdnLayer:
         [dv]; ``dims`` (hk, hv, dk, dv); ``scalars`` (l2norm's eps, q's scale, the norm's eps).
         None where the native kernel is off or the constants are not fp32 CPU runs of memory
         of those shapes."""
-        if _native is None:
-            set_native(True)
         hk, hv, dk, dv = dims
         conv_w, neg_a, dt_bias, norm_w = consts
-        if not (_native and _all_fit(consts) and hk > 0 and hv % hk == 0
+        if not (_on() and _all_fit(consts) and hk > 0 and hv % hk == 0
                 and conv_w.dim() == 2 and conv_w.shape[0] == 2 * hk * dk + hv * dv
                 and 1 <= conv_w.shape[1] <= _MAX_TAPS
                 and neg_a.shape == (hv,) and dt_bias.shape == (hv,) and norm_w.shape == (dv,)):
@@ -311,7 +289,8 @@ class GdnLayer:
         ``out.stride(0)`` apart), ready for out_proj."""
         n = len(tails[0])
         index = None if rows is None else (ctypes.c_long * n)(*rows)
-        _GDN()(self._ref, n, index, mixed.data_ptr(), mixed.stride(0), a.data_ptr(),
-               a.stride(0), b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
-               _pointers(tails[0], tails[1], states[0], states[1]), out.data_ptr(),
-               out.stride(0), torch.get_num_threads())
+        native_function("tandem_gdn_rows_f32")(
+            self._ref, n, index, mixed.data_ptr(), mixed.stride(0), a.data_ptr(), a.stride(0),
+            b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
+            _pointers(tails[0], tails[1], states[0], states[1]), out.data_ptr(),
+            out.stride(0), torch.get_num_threads())

@@ -180,26 +180,24 @@ def rows_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     b, k = x.shape
     n = weight.shape[0]
     out = torch.empty(b, n, dtype=torch.float32)
-    _FN(x.data_ptr(), x.stride(0), b, weight.data_ptr(), n, k, out.data_ptr(), n,
-        torch.get_num_threads())
+    function("tandem_rows_f32")(x.data_ptr(), x.stride(0), b, weight.data_ptr(), n, k,
+                                out.data_ptr(), n, torch.get_num_threads())
     return out
 
 
 def function(name: str):
-    """The library's function ``name`` (``SIGNATURES``); available() must be True."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the native kernels are not available (check available() first)")
-    return getattr(lib, name)
+    """The library's function ``name`` (``SIGNATURES``); available() must be True. Looked up
+    once: decode calls these hundreds of times a token."""
+    fn = _FUNCTIONS.get(name)
+    if fn is None:
+        lib = _load()
+        if lib is None:
+            raise RuntimeError("the native kernels are not available (check available() first)")
+        fn = _FUNCTIONS[name] = getattr(lib, name)
+    return fn
 
 
-def _fn(*args) -> None:
-    global _FN
-    _FN = function("tandem_rows_f32")
-    _FN(*args)
-
-
-_FN = _fn  # the library's function once loaded (rebinds itself on first call)
+_FUNCTIONS: dict[str, object] = {}
 
 
 def rows_fit(*xs: torch.Tensor) -> bool:
