@@ -266,8 +266,12 @@ class DiskTier:
     # -- the restore (the engine thread) ---------------------------------------------------
 
     def restore(self, offer: DiskOffer, prompt_ids: Sequence[int], state: CacheState) -> None:
-        """Resume ``state`` at ``offer.line``: the rows ``[offer.start, line)`` of every view from
-        the chunk files, then the anchor's sections. Every file is read whole into one of the
+        """Resume ``state`` at ``offer.line``: the rows of every view from the chunk files (each
+        chunk's whole, from the first, the one that holds ``offer.start``: rows in place below
+        ``start`` in that chunk are replaced by the grid's, of the same tokens, once every file
+        has passed: a prefill that ended inside a chunk computed them in a shorter one, whose
+        bits a host's matmuls may round otherwise; the engine's offers start on a grid line,
+        where there are none), then the anchor's sections. Every file is read whole into one of the
         tier's host buffers and checked whole there (its token ids against the prompt's, element
         by element; every section's crc32; the state's layout) before a byte of it is copied
         into ``state``; the sections are copied only once every file has passed. Raises
@@ -285,14 +289,18 @@ class DiskTier:
             if (a := self.index.anchors.get(offer.anchor_key)) is not None:
                 expect[("anchor", offer.anchor_key)] = a.nbytes
         t0 = self._monotonic()
+        held: dict[str, torch.Tensor] = {}  # the first chunk's rows below start
         try:
             try:
-                anchor = self._read_rows(offer, prompt_ids, state, expect)
+                anchor = self._read_rows(offer, prompt_ids, state, expect, held)
             except TierFileError as exc:
                 self._failed_restore(exc, offer, prompt_ids)
                 raise DiskReadFailed(exc.reason, exc.kind, exc.key) from None
             try:
                 with torch.inference_mode():
+                    a = offer.first_chunk * self.grid
+                    for name, rows in held.items():
+                        _copy_into(state.views[name].rows(a, offer.start), rows)
                     anchor.anchor().sections.restore(state)
             finally:
                 self._staging.give([anchor.buf])
@@ -318,7 +326,7 @@ class DiskTier:
                  chunks=len(keys), nbytes=offer.read_nbytes, ms=round(took_s * 1000.0, 2))
 
     def _read_rows(self, offer: DiskOffer, prompt_ids: Sequence[int], state: CacheState,
-                   expect: Mapping[Entry, int]) -> Loaded:
+                   expect: Mapping[Entry, int], held: dict[str, torch.Tensor]) -> Loaded:
         """The anchor, then the chunks, each read whole into a staging buffer on this thread
         while the checker verifies the one before and copies its rows into ``state`` (the reads
         wait on the disk, the sums and the copies on a core: the one overlaps the other). The
@@ -329,11 +337,11 @@ class DiskTier:
         # One: with two, each chunk's sections summed and copied on both, the reads slowed more
         # than the tail shrank (bench_disk: 0.74 of the raw read against 0.83).
         with ThreadPoolExecutor(1, thread_name_prefix="tandem-disk-check") as checker:
-            return self._read_rows_with(checker, offer, prompt_ids, state, expect)
+            return self._read_rows_with(checker, offer, prompt_ids, state, expect, held)
 
     def _read_rows_with(self, checker: ThreadPoolExecutor, offer: DiskOffer,
                         prompt_ids: Sequence[int], state: CacheState,
-                        expect: Mapping[Entry, int]) -> Loaded:
+                        expect: Mapping[Entry, int], held: dict[str, torch.Tensor]) -> Loaded:
         g = self.grid
         files, accept, staging = self.files, self.identity, self._staging
         anchor = files.load("anchor", offer.anchor_key, accept, like=state, grid=g,
@@ -356,7 +364,8 @@ class DiskTier:
                 except TierFileError as exc:
                     failure = exc
                     break
-                rows = (chunk, prompt_ids[a:a + g], state, max(a, offer.start), a + g)
+                rows = (chunk, prompt_ids[a:a + g], state, max(a, offer.start), a + g,
+                        held if a < offer.start else None)
                 if i + 1 < offer.first_chunk + len(offer.chunk_keys_to_read):
                     checks.append(checker.submit(self._commit_rows, *rows))
                 else:  # nothing left to read: this thread takes half of the last one's work
@@ -373,9 +382,11 @@ class DiskTier:
         return anchor
 
     def _commit_rows(self, chunk: Loaded, token_ids: Sequence[int], state: CacheState,
-                     start: int, stop: int) -> None:
+                     start: int, stop: int, held: dict[str, torch.Tensor] | None) -> None:
         """On the checker: one chunk verified whole, then its rows ``[start, stop)`` copied
-        into ``state`` (one copy per view), its buffer back to the staging either way."""
+        into ``state`` (one copy per view) and, with ``held``, its rows below ``start`` into
+        it (copied in once the restore has passed); its buffer back to the staging either
+        way."""
         try:
             chunk.verify(token_ids)
             rows = chunk.tensors()
@@ -384,12 +395,14 @@ class DiskTier:
                 for name, v in state.views.items():
                     _copy_into(v.rows(start, stop),
                                rows[name].narrow(v.token_axis, start - a, stop - start))
+                    if held is not None:
+                        held[name] = rows[name].narrow(v.token_axis, 0, start - a).clone()
         finally:
             self._staging.give([chunk.buf])
 
     def _commit_shared(self, checker: ThreadPoolExecutor, chunk: Loaded,
                        token_ids: Sequence[int], state: CacheState, start: int,
-                       stop: int) -> Future:
+                       stop: int, held: dict[str, torch.Tensor] | None) -> Future:
         """``_commit_rows`` on the checker and this thread at once, each summing half the
         sections and then, once all passed, copying half the views: the restore's tail (the
         work after the last read) halved. A done future either way, as the checker's are."""
@@ -409,6 +422,8 @@ class DiskTier:
                     v = state.views[name]
                     _copy_into(v.rows(start, stop),
                                src[name].narrow(v.token_axis, start - a, stop - start))
+                    if held is not None:
+                        held[name] = src[name].narrow(v.token_axis, 0, start - a).clone()
 
         done: Future = Future()
         try:
