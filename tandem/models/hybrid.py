@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -436,6 +437,8 @@ class HybridModel:
                                           decode_ops, *((vision,) if self.images else ())),
             # decode's matmuls round otherwise on the native kernel than on torch's
             "decode": native_digest() if decode_ops.block() == 1 else "torch",
+            # MKL's reproducible mode (tandem/__init__.py): another rounds prefill otherwise
+            "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
         }
 
     # -- forward ---------------------------------------------------------------------------
