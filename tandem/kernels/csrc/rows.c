@@ -42,6 +42,12 @@ __attribute__((constructor)) static void find_perm(void) {
 
 
 /* R weight rows by BB inputs (R * BB = 16 accumulators), reading the R rows once for the BB.
+   The rows are read one after another, each from its start to its end (the tile's bytes in
+   address order), rather than a vector of every row in turn: on this machine's two EPYC cores
+   the 16 x 1 tile read tiny's 248,320 x 256 head at 19 to 32 GB/s that way against 14 to 19
+   interleaved (a standalone build, alternated; one stream the hardware prefetcher follows
+   rather than 16). An accumulator's FMAs are the same in either order (ascending k, a masked
+   tail last): only their interleaving across accumulators differs, so the bits do not.
    PF: fetch the rows two groups on ahead. It lifted the 4 x 4 tile on tiny's head from 16 to
    22 GB/s, where the 16 x 1 tile read cold 0.8B-like layers at half its rate with it and at
    numpy's without (the rows, 1 to 14 KB, are streams the hardware follows alone). */
@@ -49,26 +55,22 @@ __attribute__((constructor)) static void find_perm(void) {
 static inline void NAME(const float *const *xs, const float *W, long K, float *const *ys) { \
   __m512 acc[16]; \
   for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps(); \
-  long k = 0; \
-  for (; k + 16 <= K; k += 16) { \
-    __m512 w[R]; \
-    /* a prefetch is a hint, which never faults past W's end */ \
-    for (int r = 0; r < R; r++) { \
-      w[r] = _mm512_loadu_ps(W + r * K + k); \
-      if (PF) _mm_prefetch((const char *)(W + (r + 2 * R) * K + k), _MM_HINT_T0); \
+  const long body = K & ~15L; \
+  const __mmask16 m = (__mmask16)((1u << (K - body)) - 1); \
+  for (int r = 0; r < R; r++) { \
+    const float *row = W + r * K; \
+    for (long k = 0; k < body; k += 16) { \
+      __m512 w = _mm512_loadu_ps(row + k); \
+      /* a prefetch is a hint, which never faults past W's end */ \
+      if (PF) _mm_prefetch((const char *)(row + 2 * R * K + k), _MM_HINT_T0); \
+      for (int b = 0; b < BB; b++) \
+        acc[r * BB + b] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[b] + k), acc[r * BB + b]); \
     } \
-    for (int b = 0; b < BB; b++) { \
-      __m512 xv = _mm512_loadu_ps(xs[b] + k); \
-      for (int r = 0; r < R; r++) acc[r * BB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * BB + b]); \
-    } \
-  } \
-  if (k < K) { \
-    __mmask16 m = (__mmask16)((1u << (K - k)) - 1); \
-    __m512 w[R]; \
-    for (int r = 0; r < R; r++) w[r] = _mm512_maskz_loadu_ps(m, W + r * K + k); \
-    for (int b = 0; b < BB; b++) { \
-      __m512 xv = _mm512_maskz_loadu_ps(m, xs[b] + k); \
-      for (int r = 0; r < R; r++) acc[r * BB + b] = _mm512_fmadd_ps(w[r], xv, acc[r * BB + b]); \
+    if (body < K) { \
+      __m512 w = _mm512_maskz_loadu_ps(m, row + body); \
+      for (int b = 0; b < BB; b++) \
+        acc[r * BB + b] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xs[b] + body), \
+                                          acc[r * BB + b]); \
     } \
   } \
   float out[16]; _mm512_storeu_ps(out, tree16(acc)); \
