@@ -5,11 +5,13 @@ Prints, in one run and for each model:
 
 - the bound: numpy's matvec over every matrix a decode token reads (each GDN/attention/MLP
   projection and the head, once, in the order a token reads them), timed as one pass: the
-  model's bytes at numpy's rate, in GB/s and tokens/s;
+  model's bytes at numpy's rate, in GB/s and tokens/s; and the read, torch's sum over the same
+  matrices (the bytes with no arithmetic: where numpy's matvec is slower than the memory);
 - decode tokens/s before (the path tandem decoded with until issue 14: the prefill path at one
   token with the conv and recurrent step kernels, a GEMV per projection), on torch's matmuls
-  (the batched step at B = 1: fused projections, MKL at 2 rows) and on the native kernels
-  (tandem.kernels.native: one call for any rows, the row ops fused; where they build),
+  (the batched step at B = 1: fused projections, MKL at 2 rows), on the native kernels called
+  layer by layer ("layers": tandem.kernels.native, one call for any rows, the row ops fused)
+  and as one call a step ("native": tandem.kernels.step, the same kernels; where they build),
   alternated in rounds, each over the bound;
 - aggregate tokens/s of forward_batch over B = 1, 2, 4 sequences (each its own state), and each
   over B = 1, on torch's matmuls and on the native kernels.
@@ -36,6 +38,7 @@ from safetensors.torch import save_file
 
 from tandem import kernels
 from tandem.kernels import decode, native
+from tandem.kernels import step as native_step
 from tandem.models import load_model
 from tandem.models.hybrid import HybridModel, rms_norm
 from tandem.models.tiny import TINY_CONFIG, _weights
@@ -87,6 +90,19 @@ def _bound(mats: list[torch.Tensor], passes: int) -> float:
     return best
 
 
+def _read(mats: list[torch.Tensor], passes: int) -> float:
+    """Seconds of the fastest pass of torch's sum over each matrix on every thread: a read of
+    the same bytes with no matvec's arithmetic, a stronger bound where numpy's matvec reads
+    slower than the memory does (on an EPYC host here: 11 to 18 GB/s against 30 to 36)."""
+    best = float("inf")
+    for _ in range(passes + 1):
+        t0 = time.perf_counter()
+        for m in mats:
+            m.sum()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def _before(model: HybridModel, state, token: int, pos: int) -> torch.Tensor:
     """Decode as tandem did before issue 14: the layers' one-token path with the conv and the
     recurrent step, each projection its own GEMV, the head F.linear at M = 1."""
@@ -112,17 +128,22 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
           f"{torch.get_num_threads()}")
     print(f"  bound: numpy matvec over the same matrices, {bound_gbs:.1f} GB/s = "
           f"{bound_tok_s:.1f} tok/s")
+    read_tok_s = 1 / _read(mats, passes=5)
+    print(f"  read:  torch's sum over the same matrices, {read_tok_s * nbytes / 1e9:.1f} GB/s = "
+          f"{read_tok_s:.1f} tok/s")
     window = prompt_len + (rounds * 3 + 2) * (tokens + 1) + 8  # three paths a round
     prompt = torch.randint(0, model.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(1))
-    def decoded(on_native: bool):
+    def decoded(on_native: bool, whole: bool = True):
         def run(s, t, p):
             decode.set_native(on_native)
+            native_step.set_enabled(whole)
             return model.forward(s, torch.tensor([t]), p, decode=True)
         return run
 
     paths = {"before": lambda s, t, p: _before(model, s, t, p), "torch": decoded(False)}
     if native.available():
+        paths["layers"] = decoded(True, whole=False)
         paths["native"] = decoded(True)
     with torch.inference_mode():
         state = model.new_state(window)
@@ -143,11 +164,16 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
         for label, r in runs.items():
             best = max(r)
             print(f"  decode {label:6s}: {' '.join(f'{x:.1f}' for x in r)} tok/s; best {best:.1f}"
-                  f" = {best * nbytes / 1e9:.1f} GB/s, {best / bound_tok_s:.2f} of the bound")
+                  f" = {best * nbytes / 1e9:.1f} GB/s, {best / bound_tok_s:.2f} of the bound, "
+                  f"{best / read_tok_s:.2f} of the read")
         last = list(runs)[-1]
         print(f"  {last} over before / over torch (best of each): "
               f"{max(runs[last]) / max(runs['before']):.2f}x / "
               f"{max(runs[last]) / max(runs['torch']):.2f}x")
+        if "layers" in runs:
+            print(f"  native (the whole step in one call) over its layers called one by one: "
+                  f"{max(runs['native']) / max(runs['layers']):.2f}x")
+        native_step.set_enabled(True)
         for matmuls in (["torch", "native"] if native.available() else ["torch"]):
             decode.set_native(matmuls == "native")
             _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls)

@@ -252,6 +252,7 @@ class GdnLayer:
         self._struct = _GdnConsts(conv_w.data_ptr(), neg_a.data_ptr(), dt_bias.data_ptr(),
                                   norm_w.data_ptr(), conv_w.shape[1], *dims, *scalars)
         self._ref = ctypes.byref(self._struct)
+        self.address = ctypes.addressof(self._struct)  # for a plan that holds it (step.py)
 
     @classmethod
     def build(cls, consts: tuple[torch.Tensor, ...], dims: tuple[int, int, int, int],

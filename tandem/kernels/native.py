@@ -98,14 +98,14 @@ def _sources_bytes() -> bytes:
 
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-# Every exported function's C signature (argtypes; each returns void).
+# Every exported function's C signature (argtypes; void unless RESTYPES says).
 SIGNATURES: dict[str, list] = {
     "tandem_rows_f32": [_P, _L, _L, _P, _L, _L, _P, _L, _I],
     "tandem_rms_rows_f32": [_P, _L, _L, _L, _P, _F, _P],
     "tandem_add_rms_rows_f32": [_P, _L, _P, _L, _L, _L, _P, _F, _P, _P],
     "tandem_silu_mul_rows_f32": [_P, _P, _L, _L, _L, _P],
     "tandem_attn_rows_f32": [_P, _L, _P, _L, _P, _L, _L, _L, _L, _L, _L, _P, _P, _F, _P, _P,
-                             _P, _P, _L, _P, _F, _P, _P],
+                             _P, _P, _P, _P, _F, _P, _P],
 }
 
 # csrc/gdn.c: a GDN layer's decode middle (decode.GdnLayer), its conv and its recurrent step
@@ -114,6 +114,10 @@ SIGNATURES.update({
     "tandem_delta_rows_f32": [_L, _P, _P, _P, _P, _P, _P, _L, _L, _L, _P, _I],
     "tandem_gdn_rows_f32": [_P, _L, _P, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I],
 })
+# csrc/step.c: a whole decode step (step.NativeStep); it returns 0, or -1 where it could not
+# allocate its buffers
+SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _P, _I]
+RESTYPES = {"tandem_step_f32": _I}  # the rest return void
 
 
 def _load() -> ctypes.CDLL | None:
@@ -140,7 +144,7 @@ def _load() -> ctypes.CDLL | None:
                 lib = ctypes.CDLL(str(path))
                 for name, argtypes in SIGNATURES.items():
                     fn = getattr(lib, name)
-                    fn.argtypes, fn.restype = argtypes, None
+                    fn.argtypes, fn.restype = argtypes, RESTYPES.get(name)
                 break
             except (OSError, AttributeError) as exc:
                 # a cached library that does not load or lacks a function (a damaged or
@@ -257,10 +261,13 @@ def attention_rows(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: in
     scores = torch.empty(max(positions) + 1, dtype=torch.float32)
     kptr = (ctypes.c_long * rows)(*(t.data_ptr() for t in keys))
     vptr = (ctypes.c_long * rows)(*(t.data_ptr() for t in values))
+    if any(kt.stride(0) != vt.stride(0) for kt, vt in zip(keys, values)):
+        raise ValueError("a sequence's key and value rows must be of one window")
+    hs = (ctypes.c_long * rows)(*(t.stride(0) for t in keys))
     at = (ctypes.c_long * rows)(*positions)
     function("tandem_attn_rows_f32")(
         qg.data_ptr(), qg.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), rows,
         heads, kv_heads, head_dim, rd, q_gain.data_ptr(), k_gain.data_ptr(), eps,
-        cos.data_ptr(), sin.data_ptr(), kptr, vptr, keys[0].stride(0), at, scale,
+        cos.data_ptr(), sin.data_ptr(), kptr, vptr, hs, at, scale,
         scores.data_ptr(), out.data_ptr())
     return out

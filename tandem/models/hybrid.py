@@ -30,6 +30,8 @@ from tandem.kernels.native import digest as native_digest
 from tandem.kernels.native import fits as native_fits
 from tandem.kernels.native import rows_f32 as native_rows
 from tandem.kernels.native import rows_fit as native_rows_fit
+from tandem.kernels import step as native_step
+from tandem.kernels.step import NativeStep
 from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
 from tandem.models.base import Cost, ModelError, ModelState, View
 
@@ -745,6 +747,11 @@ class HybridModel:
             x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device), embed)
         turns = positions if rope_offsets is None else [p + o for p, o in
                                                           zip(positions, rope_offsets)]
+        step = self._native_step()
+        if step is not None and x.shape[0] == n and x.stride(1) == 1 and step.fits(states):
+            # every layer and the head in one native call: the layer path's kernels, its bits
+            cos, sin = self._step_rope(turns, n, n)
+            return step(x, states, positions, cos.contiguous(), sin.contiguous())
         # every sequence's sections and rows by layer slot, viewed once a step
         tails = [s.sections["gdn.conv"].unbind(0) for s in states]
         recur = [s.sections["gdn.S"].unbind(0) for s in states]
@@ -848,21 +855,7 @@ class HybridModel:
         ``turns`` as a device tensor and its own ``attend``, which reads positions from one."""
         c, k = self.config, self._k
         rows = x.shape[0]
-        pos = (turns if isinstance(turns, torch.Tensor)
-               else torch.tensor(turns, dtype=torch.float32, device=self.device))
-        freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
-        if self.rope_scale != 1.0:
-            cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        if rows > n:
-            cos, sin = cos.expand(rows, -1), sin.expand(rows, -1)
-        if self.dtype != torch.float32:
-            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
-        # rotate_half(q) * sin as roll(q) * sin with the first half's sign moved onto sin:
-        # (-a) * b and a * (-b) are the same bits
-        half = c.rotary_dim // 2
-        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        cos, sin = self._step_rope(turns, rows, n)
         cos, sin = cos[:, None, :], sin[:, None, :]
         # On the native kernels (fp32 on the CPU) each residual add runs with the norm after it
         # and the MLP's silu with its product, one call each (csrc/norms.c); torch's path keeps
@@ -890,6 +883,33 @@ class HybridModel:
                        else each_row(F.silu, gate) * up)
                 out = self._linear(act, p + "mlp.down_proj.weight")
         return x + out
+
+    def _step_rope(self, turns, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's rotary cos and sin [rows, rd], row r's at ``turns[r]`` (a pad row past n
+        row 0's), sin's first half negated: rotate_half(q) * sin as roll(q) * sin with the
+        sign moved onto sin ((-a) * b and a * (-b) are the same bits)."""
+        pos = (turns if isinstance(turns, torch.Tensor)
+               else torch.tensor(turns, dtype=torch.float32, device=self.device))
+        freqs = pos[:, None] * self.inv_freq[None, :]  # as _rope, a row a sequence
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = each_row(torch.cos, emb), each_row(torch.sin, emb)
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        if rows > n:
+            cos, sin = cos.expand(rows, -1), sin.expand(rows, -1)
+        if self.dtype != torch.float32:
+            cos, sin = cos.to(self.dtype), sin.to(self.dtype)
+        half = self.config.rotary_dim // 2
+        return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+    def _native_step(self) -> "NativeStep | None":
+        """The whole decode step as one native call (tandem.kernels.step), where this model's
+        decode is all the native kernels' (None elsewhere, or with the step turned off)."""
+        if not native_step.enabled() or decode_ops.block() != 1:
+            return None
+        if "_native_plan" not in self.__dict__:  # built on the first step, kept (or None)
+            self._native_plan = NativeStep.build(self)
+        return self._native_plan
 
     def _residual_norm(self, x: torch.Tensor, h: torch.Tensor | None, gain: str,
                        fast: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,11 +25,8 @@ SIZES = (1, 2, 3, 4, 5, 8, 9)
 
 
 @pytest.fixture(autouse=True)
-def _native_on():
-    before = decode.block() == 1
-    decode.set_native(True)
+def _native(native_on):
     yield
-    decode.set_native(before)
 
 
 class Layer:
@@ -250,7 +247,11 @@ def test_the_models_decode_runs_the_native_middle_within_rounding_of_the_torch_m
         hybrid, monkeypatch):
     """On the small hybrid (decay near 0.98) and Qwen3-Next's grouped projections (heads
     repeated to v's): every GDN layer of every step runs the native middle, and 8 steps stay
-    within 1e-4 of the largest logit of the same steps on the torch middle, greedy alike."""
+    within 1e-4 of the largest logit of the same steps on the torch middle, greedy alike. On
+    the layer-by-layer step: the whole-step call (test_native_step.py) is its bits."""
+    from tandem.kernels import step as native_step
+
+    monkeypatch.setattr(native_step, "_enabled", False)
     calls = []
     real = decode.GdnLayer.__call__
     monkeypatch.setattr(decode.GdnLayer, "__call__",

@@ -33,31 +33,32 @@ static void norm_rope(const float *x, long hd, const float *gain, float eps, con
 
 /* rows rows. q and gate heads lie in qg (row stride ldqg; head h's q at h * 2hd, its gate at
    h * 2hd + hd), k and v heads in k and v (row strides ldk, ldv; head g at g * hd); cos, sin
-   [rows, rd]; kbufs[r], vbufs[r] row r's sequence's [nkv, window, hd] rows (head stride hs);
+   [rows, rd]; kbufs[r], vbufs[r] row r's sequence's [nkv, window, hd] rows (head stride hs[r]:
+   sequences of other windows may share a call);
    at[r] the position row r writes and attends up to. out [rows, nh * hd] = attention * sigmoid
    (gate). hd is at most 1024. */
 void tandem_attn_rows_f32(const float *qg, long ldqg, const float *k, long ldk, const float *v,
                           long ldv, long rows, long nh, long nkv, long hd, long rd,
                           const float *q_gain, const float *k_gain, float eps,
                           const float *cos, const float *sin, const long *kbufs,
-                          const long *vbufs, long hs, const long *at, float scale,
+                          const long *vbufs, const long *hs, const long *at, float scale,
                           float *scores, float *out) {
   long group = nh / nkv;
   for (long r = 0; r < rows; r++) {
     float *kb = (float *)kbufs[r], *vb = (float *)vbufs[r];
-    long pos = at[r];
+    long pos = at[r], stride = hs[r];
     const float *c = cos + r * rd, *s = sin + r * rd;
     for (long g = 0; g < nkv; g++) {
-      norm_rope(k + r * ldk + g * hd, hd, k_gain, eps, c, s, rd, kb + g * hs + pos * hd);
+      norm_rope(k + r * ldk + g * hd, hd, k_gain, eps, c, s, rd, kb + g * stride + pos * hd);
       const float *vs = v + r * ldv + g * hd;
-      float *vd = vb + g * hs + pos * hd;
+      float *vd = vb + g * stride + pos * hd;
       for (long i = 0; i < hd; i++) vd[i] = vs[i];
     }
     for (long h = 0; h < nh; h++) {
       float q[1024], o[1024];
       const float *head = qg + r * ldqg + h * 2 * hd;
       norm_rope(head, hd, q_gain, eps, c, s, rd, q);
-      const float *keys = kb + (h / group) * hs, *vals = vb + (h / group) * hs;
+      const float *keys = kb + (h / group) * stride, *vals = vb + (h / group) * stride;
       float top = -INFINITY;
       for (long j = 0; j <= pos; j++) {
         scores[j] = dot(q, keys + j * hd, hd) * scale;

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "lanes.h"
 
 
@@ -209,15 +210,6 @@ void tandem_delta_rows_f32(long R, const float *q, const float *k, const float *
                ptrs[r] + h * dk * dv, ptrs[R + r] + h * dk * dv, dk, dv, o + t * dv);
   }
 }
-
-/* A GDN layer's constants, as decode.GdnLayer builds them once a layer */
-struct gdn_layer {
-  const float *conv_w;  /* [C, K] */
-  const float *neg_A, *dt_bias;  /* [hv]: -exp(A_log), dt_bias */
-  const float *norm_w;  /* [dv] */
-  long K, hk, hv, dk, dv;
-  float l2_eps, q_scale, eps;
-};
 
 /* A GDN layer's whole decode middle for R rows. Row r reads input row i = rows[r] (rows NULL:
    i = r) of mixed [., C] (the in_proj's q, k, v parts before the conv, C = 2 hk dk + hv dv),

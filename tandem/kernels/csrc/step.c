@@ -1,0 +1,133 @@
+/* A whole decode step of R sequences, a row each, in one call: every layer's norms, projections,
+   GDN middle or attention and MLP, then the final norm and the head (HybridModel.forward_batch
+   where the native kernels take the whole model: tandem/kernels/step.py builds the plan).
+
+   It calls the very kernels the layer-by-layer step calls (rows.c, norms.c, gdn.c, attn.c), on
+   the same operands in the same order, so its logits, states, tails and rows are the bits that
+   step gives, and a row's bits are its own at any R (each kernel's invariance, composed). What it
+   saves is the rest: some 40 ctypes calls a token, their tensors and Python's glue between them,
+   which on `tiny` (whose layers read 17 MB beside a 254 MB head) cost more than the layers'
+   arithmetic. Nothing here is compiled with -ffast-math. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+/* A projection whose output parts lie end to end in each output row: one matrix (a fused
+   projection) or up to four, each its own call (a checkpoint whose parts are not adjacent). */
+struct step_proj {
+  const float *w[4];         /* part i's weight [n[i], D] */
+  long n[4];
+  long parts, width;         /* width: the sum of n, an output row's length */
+};
+
+/* One layer of the plan (decode's step.py packs it; the fields' order is its ctypes struct's). */
+struct step_layer {
+  long kind;                 /* 0: GDN, 1: attention */
+  long slot;                 /* its index among its kind's layers: its sections' and rows' slot */
+  const float *in_norm, *post_norm;   /* the two norms' gains (1 + w) [D] */
+  struct step_proj in;       /* GDN a|b|mixed|z, attention k|qg|v */
+  long off[4];               /* those parts' first columns in its output row */
+  const float *w_out;        /* out_proj / o_proj [D, k_out] */
+  long k_out;
+  struct step_proj gate_up;  /* gate|up, ff columns each */
+  const float *w_down;       /* [D, ff] */
+  long ff;
+  const struct gdn_layer *gdn;        /* GDN: its middle's constants */
+  long nh, nkv, hd, rd;      /* attention: heads, key/value heads, head dim, rotary dim */
+  const float *q_gain, *k_gain;
+  float scale;
+};
+
+static void project(const struct step_proj *P, const float *h, long R, long D, float *out,
+                    int threads) {
+  long at = 0;
+  for (long i = 0; i < P->parts; i++) {
+    tandem_rows_f32(h, D, R, P->w[i], P->n[i], D, out + at, P->width, threads);
+    at += P->n[i];
+  }
+}
+
+struct step_model {
+  long layers, D, vocab;
+  const struct step_layer *layer;
+  const float *final_norm, *head;   /* the final norm's gain [D], the head [vocab, D] */
+  float eps;                 /* every rms norm's (the GDN's own in its gdn_layer) */
+  long width;                /* the widest input projection or gate_up row */
+  long middle;               /* the widest middle row (GDN hv dv, attention nh hd, ff) */
+  long conv_slot, state_slot;  /* one layer slot of a sequence's conv tails, of its states */
+};
+
+/* x: the R embedding rows (ldx apart, read only). seqs[6 r .. 6 r + 5]: row r's sequence's conv
+   tails, recurrent states, key rows and value rows (the addresses of each section's first layer
+   slot), then its key (and value) rows' strides in floats: one layer slot, one head. at[r]: the
+   position row r writes and attends up to. cos, sin [R, rd] (sin's first half negated). logits
+   [R, vocab]. Returns 0, or -1 where a buffer could not be allocated (nothing is then written:
+   the allocations come first). */
+int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
+                    const long *seqs, const long *at, const float *cos, const float *sin,
+                    float *logits, int threads) {
+  const long D = M->D;
+  long top = 0;
+  for (long r = 0; r < R; r++) top = at[r] > top ? at[r] : top;
+  size_t floats = (size_t)R * (3 * D + M->width + M->middle) + (size_t)top + 1;
+  float *buf = malloc(floats * sizeof(float));
+  float **ptrs = malloc((size_t)(4 * R) * sizeof(float *));
+  long *kbufs = malloc((size_t)(3 * R) * sizeof(long));
+  if (buf == NULL || ptrs == NULL || kbufs == NULL) {
+    free(buf); free(ptrs); free(kbufs);
+    return -1;
+  }
+  float *resid = buf, *h = resid + R * D, *o = h + R * D, *proj = o + R * D;
+  float *mid = proj + R * M->width, *scores = mid + R * M->middle;
+  long *vbufs = kbufs + R, *heads = kbufs + 2 * R;
+  for (long r = 0; r < R; r++) heads[r] = seqs[6 * r + 5];
+  const float *xr = x;  /* the residual stream: the embedding, then resid */
+  long ldr = ldx;
+  for (long l = 0; l < M->layers; l++) {
+    const struct step_layer *L = M->layer + l;
+    if (l == 0) {
+      tandem_rms_rows_f32(x, ldx, R, D, L->in_norm, M->eps, h);
+    } else {
+      tandem_add_rms_rows_f32(xr, ldr, o, D, R, D, L->in_norm, M->eps, resid, h);
+      xr = resid, ldr = D;
+    }
+    project(&L->in, h, R, D, proj, threads);
+    if (L->kind == 0) {
+      for (long r = 0; r < R; r++) {
+        float *tail = (float *)seqs[6 * r] + L->slot * M->conv_slot;
+        float *state = (float *)seqs[6 * r + 1] + L->slot * M->state_slot;
+        ptrs[r] = ptrs[R + r] = tail;  /* a decode advances its tail and state in place */
+        ptrs[2 * R + r] = ptrs[3 * R + r] = state;
+      }
+      const long n = L->in.width;
+      tandem_gdn_rows_f32(L->gdn, R, NULL, proj + L->off[2], n, proj + L->off[0], n,
+                          proj + L->off[1], n, proj + L->off[3], n, ptrs, mid, L->k_out,
+                          threads);
+    } else {
+      for (long r = 0; r < R; r++) {
+        long slot = (long)sizeof(float) * L->slot * seqs[6 * r + 4];
+        kbufs[r] = seqs[6 * r + 2] + slot;
+        vbufs[r] = seqs[6 * r + 3] + slot;
+      }
+      const long n = L->in.width;
+      tandem_attn_rows_f32(proj + L->off[1], n, proj + L->off[0], n, proj + L->off[2], n, R,
+                           L->nh, L->nkv, L->hd, L->rd, L->q_gain, L->k_gain, M->eps, cos, sin,
+                           kbufs, vbufs, heads, at, L->scale, scores, mid);
+    }
+    tandem_rows_f32(mid, L->k_out, R, L->w_out, D, L->k_out, o, D, threads);
+    tandem_add_rms_rows_f32(xr, ldr, o, D, R, D, L->post_norm, M->eps, resid, h);
+    xr = resid, ldr = D;
+    project(&L->gate_up, h, R, D, proj, threads);
+    tandem_silu_mul_rows_f32(proj, proj + L->ff, 2 * L->ff, R, L->ff, mid);
+    tandem_rows_f32(mid, L->ff, R, L->w_down, D, L->ff, o, D, threads);
+  }
+  if (M->layers == 0) {
+    tandem_rms_rows_f32(x, ldx, R, D, M->final_norm, M->eps, h);
+  } else {
+    tandem_add_rms_rows_f32(xr, ldr, o, D, R, D, M->final_norm, M->eps, resid, h);
+  }
+  tandem_rows_f32(h, D, R, M->head, M->vocab, D, logits, M->vocab, threads);
+  free(buf); free(ptrs); free(kbufs);
+  return 0;
+}

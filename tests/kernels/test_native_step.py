@@ -1,0 +1,176 @@
+"""The whole decode step as one native call (tandem/kernels/step.py, csrc/step.c) against the
+layer-by-layer native step it replaces. Gate: the same bits (torch.equal) on every logit, conv
+tail, recurrent state and key/value row, step after step, for batches of sequences of different
+lengths and windows, on the small hybrid with long recurrent memory (decay near 0.98: a state
+read from the wrong slot or a neighbour's row shows within a step); with the projections as
+the checkpoint lays them (attention's k, q, v apart) and fused into one matrix; and a model it
+does not take (Qwen3-Next's interleaved in_proj, MoE blocks) keeps the layer path."""
+
+import pytest
+import torch
+
+import json
+
+from safetensors.torch import save_file
+
+from small_hybrid import SMALL_CONFIG, _long_memory, make_small_hybrid
+from tandem.models.tiny import _weights
+from tandem.kernels import decode, native, step as native_step
+from tandem.models.base import ModelState, View
+from tandem.models.hybrid import HybridModel
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="the native kernel does not build on this machine")
+
+STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def _native(native_on):
+    yield
+    native_step.set_enabled(True)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> HybridModel:
+    return HybridModel.load(make_small_hybrid(tmp_path_factory.mktemp("small"), tokenizer=False))
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> HybridModel:
+    """The small hybrid with two attention layers of two key/value heads each and GDN key heads
+    repeated to the values' (every slot and head stride of a sequence's sections in use)."""
+    config = dict(SMALL_CONFIG, num_hidden_layers=8, layer_types=SMALL_CONFIG["layer_types"] * 2,
+                  num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+                  linear_num_value_heads=4)
+    path = tmp_path_factory.mktemp("wide")
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(_long_memory(_weights(config)), str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return HybridModel.load(path)
+
+
+@pytest.fixture(params=["small", "wide"])
+def model(request) -> HybridModel:
+    return request.getfixturevalue(request.param)
+
+
+def _prefilled(model, lengths, windows):
+    gen = torch.Generator().manual_seed(5)
+    out = []
+    for n, window in zip(lengths, windows):
+        state = model.new_state(window)
+        logits = model.forward(state, torch.randint(0, model.vocab_size, (n,), generator=gen), 0)
+        out.append((state, n, int(torch.argmax(logits))))
+    return out
+
+
+def _clone(state: ModelState) -> ModelState:
+    return ModelState({k: t.clone() for k, t in state.sections.items()},
+                      {k: View(v.tensor.clone(), v.token_axis) for k, v in state.views.items()})
+
+
+def _decode(model, seqs, whole: bool, batches):
+    """Greedy decode of every sequence over STEPS steps in the given batches of indices, with
+    the whole-step call on or off; the logits by sequence and the states after."""
+    native_step.set_enabled(whole)
+    states = [_clone(s) for s, _, _ in seqs]
+    tokens = [t for _, _, t in seqs]
+    done = [0] * len(seqs)
+    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+    with torch.inference_mode():
+        for _ in range(STEPS):
+            for batch in batches:
+                rows = model.forward_batch([states[i] for i in batch], [tokens[i] for i in batch],
+                                           [seqs[i][1] + done[i] for i in batch])
+                for row, i in zip(rows, batch):
+                    logits[i].append(row.clone())
+                    tokens[i] = int(torch.argmax(row))
+                    done[i] += 1
+    return logits, states
+
+
+def _assert_same(a, b):
+    (la, sa), (lb, sb) = a, b
+    for rows_a, rows_b in zip(la, lb):
+        for x, y in zip(rows_a, rows_b):
+            assert torch.equal(x, y)
+    for x, y in zip(sa, sb):
+        for name in x.sections:
+            assert torch.equal(x.sections[name], y.sections[name]), name
+        for name in x.views:
+            assert torch.equal(x.views[name].tensor, y.views[name].tensor), name
+
+
+def _calls(monkeypatch):
+    """A counter of the whole-step calls made."""
+    calls = []
+    real = native_step.NativeStep.__call__
+    monkeypatch.setattr(native_step.NativeStep, "__call__",
+                        lambda self, *a: calls.append(len(a[1])) or real(self, *a))
+    return calls
+
+
+@pytest.mark.parametrize("batches", [[[0], [1], [2], [3], [4]], [[0, 1, 2, 3, 4]],
+                                     [[3, 0], [4, 2, 1]]])
+def test_the_whole_step_is_the_layer_steps_bits_alone_and_in_any_batch(model, batches,
+                                                                       monkeypatch):
+    seqs = _prefilled(model, [3, 17, 40, 9, 64], [128] * 5)
+    layered = _decode(model, seqs, False, batches)
+    calls = _calls(monkeypatch)
+    whole = _decode(model, seqs, True, batches)
+    assert len(calls) == STEPS * len(batches), "the whole-step call did not run"
+    _assert_same(whole, layered)
+    tokens = {int(torch.argmax(r)) for rows in whole[0] for r in rows}
+    assert len(tokens) > 3, "a degenerate run proves little"
+
+
+def test_sequences_of_different_windows_share_a_step_with_their_own_bits(wide, monkeypatch):
+    """A key row's head and slot strides are its own sequence's (attn.c and step.c read them by
+    row): on the whole step and on the layer path, a batch of windows 40, 128 and 300 gives
+    each its bits alone."""
+    seqs = _prefilled(wide, [5, 30, 21], [40, 128, 300])
+    for whole in (False, True):
+        alone = _decode(wide, seqs, whole, [[0], [1], [2]])
+        batched = _decode(wide, seqs, whole, [[2, 0, 1]])
+        _assert_same(batched, alone)
+    calls = _calls(monkeypatch)
+    _decode(wide, seqs, True, [[0, 1, 2]])
+    assert calls == [3] * STEPS
+
+
+def test_a_fused_attention_projection_takes_one_matrix_and_gives_the_same_bits(small,
+                                                                                monkeypatch):
+    """The checkpoint lays attention's k, q and v apart, so the plan runs them as three calls
+    into one row; a model whose k|q|v lie end to end runs them as one. Same bits."""
+    seqs = _prefilled(small, [12, 33], [96, 96])
+    apart = _decode(small, seqs, True, [[0, 1]])
+    fused = dict(small._fused)
+    for key, (names, sizes, weight) in small._fused.items():
+        if weight is None:
+            fused[key] = (names, sizes, torch.cat([small.w[n] for n in names]))
+    assert fused != small._fused, "no projection was apart"
+    monkeypatch.setattr(small, "_fused", fused)
+    monkeypatch.delitem(small.__dict__, "_native_plan", raising=False)
+    plan = small._native_step()
+    assert plan is not None
+    assert all(layer.in_.parts == 1 and layer.gate_up.parts == 1 for layer in plan._layers)
+    _assert_same(_decode(small, seqs, True, [[0, 1]]), apart)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next_dir", "qwen3_5_moe_dir"])
+def test_a_model_the_step_does_not_take_keeps_the_layer_path(request, name):
+    model = HybridModel.load(request.getfixturevalue(name))
+    assert model._native_step() is None
+    seqs = _prefilled(model, [7, 19], [64, 64])
+    _assert_same(_decode(model, seqs, True, [[0, 1]]), _decode(model, seqs, True, [[0], [1]]))
+
+
+def test_the_small_model_takes_the_step_only_with_the_native_kernels(small):
+    small.__dict__.pop("_native_plan", None)
+    assert small._native_step() is not None
+    decode.set_native(False)
+    assert small._native_step() is None
+    native_step.set_enabled(False)
+    decode.set_native(True)
+    assert small._native_step() is None
