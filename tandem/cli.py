@@ -9,6 +9,7 @@ import threading
 import time
 
 from tandem.config import ConfigError, add_config_flags, load_config
+from tandem.torch_thread import one_openmp_thread_here
 
 
 def _generate_parser(sub) -> argparse.ArgumentParser:
@@ -79,6 +80,7 @@ def _open_suffix_store(config, loaded):
         return None
     if store.needs_rebuild:
         def build() -> None:
+            one_openmp_thread_here()  # the sort's regions off the engine's team
             t0 = time.perf_counter()
             index = store.build_index()
             store.swap(index, (time.perf_counter() - t0) * 1000)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from aiohttp import web
@@ -22,7 +23,7 @@ from tandem.devices import engine_device
 from tandem.models.graphs import engine_graphs
 from tandem.logs import configure_logging
 from tandem.models import load_model
-from tandem.torch_thread import torch_thread
+from tandem.torch_thread import one_openmp_thread_here, torch_thread
 from tandem.models.base import ModelError
 from tandem.server.app import DRAIN_TIMEOUT_S, build_app, drain
 from tandem.server.connections import GuardedRunner
@@ -61,6 +62,11 @@ async def serve(config: Config, loaded, *, engine: Actor | None = None,
     ``ready`` gets the bound port once the site listens; ``engine`` replaces the engine actor
     (tests)."""
     loop = asyncio.get_running_loop()
+    # The handlers' worker threads (asyncio.to_thread: the chat template, an image's
+    # preprocessing) run torch ops too: their OpenMP regions stay on their own thread, so the
+    # engine's team stays the process's only one (tandem/torch_thread.py)
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="tandem-worker",
+                                                 initializer=one_openmp_thread_here))
     stop = stop if stop is not None else asyncio.Event()
     app = build_app(config, loaded, engine=engine,
                     engine_executor=torch_thread() if engine is None else None)

@@ -41,6 +41,10 @@ def one_openmp_thread_here() -> bool:
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
     if not os.path.exists(path):
         return False
+    # torch sets a thread's OpenMP threads to its own count on the thread's first parallel
+    # op (at::internal::lazy_init_num_threads), which would undo the setting below: that
+    # first initialisation runs here, before it
+    torch.get_num_threads()
     try:
         ctypes.CDLL(path).omp_set_num_threads(1)
     except (OSError, AttributeError):

@@ -97,6 +97,7 @@ from tandem.kernels.blocksums import block_sums, host_sums, sections_sums, views
 from tandem.kernels.planes import cut_planes
 from tandem.models.base import CacheState
 from tandem.tokens import common_prefix
+from tandem.torch_thread import one_openmp_thread_here
 
 if TYPE_CHECKING:
     from tandem.io.write_guard import WriteGuard
@@ -431,8 +432,11 @@ class SessionSpill:
         # check reads its sums back, past the join's copy from pinned planes).
         self._read_bufs: list[np.ndarray] = []
         self._planes: list[torch.Tensor] = []
-        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="spill-io-read")
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io")
+        # torch's work stays on the engine's OpenMP team (tandem.torch_thread)
+        self._readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="spill-io-read",
+                                           initializer=one_openmp_thread_here)
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="spill-io",
+                                      initializer=one_openmp_thread_here)
 
     def close(self) -> None:
         self._io.shutdown(wait=True)

@@ -37,6 +37,7 @@ import zstandard
 
 from tandem import devices
 from tandem.kernels.planes import cut_planes, join_planes
+from tandem.torch_thread import one_openmp_thread_here
 
 RAW = 0
 PLANES_ZSTD = 1
@@ -145,7 +146,8 @@ class SpillCodec:
         if threads < 1 or not 0 < frame_nbytes <= MAX_FRAME_NBYTES:
             raise ValueError(f"threads {threads}, frame_nbytes {frame_nbytes}")
         self.threads, self.level, self.frame_nbytes = threads, level, frame_nbytes
-        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="spill-codec")
+        self._pool = (ThreadPoolExecutor(threads, thread_name_prefix="spill-codec",
+                                         initializer=one_openmp_thread_here)
                       if threads > 1 else None)
         self._local = threading.local()  # a zstd context is not shared between threads
 

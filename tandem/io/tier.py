@@ -53,6 +53,7 @@ from tandem.io.tierfile import (Loaded, MissingFile, Section, Staging, TierFileE
 from tandem.io.tierindex import AnchorEntry, ChunkEntry, TierIndex, scan
 from tandem.io.write_guard import WriteGuard, make_write_guard
 from tandem.models.base import CacheState, View
+from tandem.torch_thread import one_openmp_thread_here
 
 log = structlog.get_logger("tandem.disk")
 
@@ -336,7 +337,8 @@ class DiskTier:
         # One checker a restore (a thread costs microseconds against a restore's milliseconds).
         # One: with two, each chunk's sections summed and copied on both, the reads slowed more
         # than the tail shrank (bench_disk: 0.74 of the raw read against 0.83).
-        with ThreadPoolExecutor(1, thread_name_prefix="tandem-disk-check") as checker:
+        with ThreadPoolExecutor(1, thread_name_prefix="tandem-disk-check",
+                                initializer=one_openmp_thread_here) as checker:
             return self._read_rows_with(checker, offer, prompt_ids, state, expect, held)
 
     def _read_rows_with(self, checker: ThreadPoolExecutor, offer: DiskOffer,

@@ -58,6 +58,10 @@ def test_a_background_thread_keeps_its_openmp_regions_to_itself():
 
     def background():
         assert one_openmp_thread_here()
+        # torch's first parallel op on a thread sets its OpenMP threads to torch's count
+        # (lazy_init_num_threads): the setting must survive it (it did not, and a spill
+        # writer's copies slowed the engine's prefill 1.6x for good)
+        torch.ones(1 << 20).add_(1)
         return gomp.omp_get_max_threads()
 
     assert other.submit(background).result() == 1
