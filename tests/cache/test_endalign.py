@@ -278,6 +278,27 @@ def test_a_copy_that_changes_the_user_text_before_the_answer_does_not_align(tok)
         assert align(record, copy, tok.token_bytes) is None
 
 
+def test_another_conversations_copy_is_refused_without_reading_its_whole_stream(tok, monkeypatch):
+    """Placement asks every slot's end whether a prompt aligns with it: a long prompt of another
+    conversation is refused from its first bytes, its other tokens' bytes never read, and a
+    prompt that does align still reads what it needs."""
+    from tandem.cache import endalign
+
+    gen = gen_tokens(tok, REASONING, ANSWER)
+    prompt1, record = first_turn(tok, gen)
+    other = enc(tok, render_chat([{"role": "system", "content": "A different assistant."},
+                                  {"role": "user", "content": "word " * 3000}]))
+    read = []
+    real = endalign._nonws_list
+    monkeypatch.setattr(endalign, "_nonws_list",
+                        lambda ids, *a: read.append(len(ids)) or real(ids, *a))
+    assert align(record, other, tok.token_bytes) is None
+    assert len(other) > 3000 and sum(read) - len(record.rows) < 64, read
+    read.clear()
+    copy = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": ANSWER}, FOLLOW])
+    assert align(record, copy, tok.token_bytes).mode == "reasoning"
+
+
 def _inside_a_token(tok):
     # the rows end " ... is Par" (an answer cut by max_tokens inside a word), the copy's
     # " Paris" is one token: no cut between the copy's tokens falls where the rows end
