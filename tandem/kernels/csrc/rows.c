@@ -76,6 +76,30 @@ static inline void NAME(const float *const *xs, const float *W, long K, float *c
 KERNEL(k16x1, 16, 1)
 KERNEL(k8x2, 8, 2)
 
+/* 8 rows by 2 inputs with a vector of each row in turn (k outer): for rows already in the
+   cache, where the 16 accumulators' FMAs interleave rather than queue behind each row's chain
+   (the rows' order in memory no longer matters). The same FMAs per accumulator, in the same
+   order, as k8x2. At B = 8 the later pairs over tiny's head took 11.2 to 11.8 ms this way
+   against 15.1 to 15.3 row by row (standalone, alternated); at B = 4 8.8 to 10.2 against 9.3
+   to 10.7. */
+static inline void k8x2_cached(const float *const *xs, const float *W, long K,
+                               float *const *ys) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+  const long body = K & ~15L;
+  for (long k = 0; k < K; k += 16) {
+    const __mmask16 m = k < body ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - body)) - 1);
+    __m512 x0 = _mm512_maskz_loadu_ps(m, xs[0] + k), x1 = _mm512_maskz_loadu_ps(m, xs[1] + k);
+    for (int r = 0; r < 8; r++) {
+      __m512 w = _mm512_maskz_loadu_ps(m, W + r * K + k);
+      acc[2 * r] = _mm512_fmadd_ps(w, x0, acc[2 * r]);
+      acc[2 * r + 1] = _mm512_fmadd_ps(w, x1, acc[2 * r + 1]);
+    }
+  }
+  float out[16]; _mm512_storeu_ps(out, tree16(acc));
+  for (int r = 0; r < 8; r++) for (int b = 0; b < 2; b++) ys[b][r] = out[perm[r * 2 + b]];
+}
+
 static inline float one_row(const float *x, const float *w, long K) {
   __m512 acc = _mm512_setzero_ps();
   long k = 0;
@@ -108,7 +132,8 @@ static void rows_block(const float *X, long ldx, long B, const float *W, long K,
       long b1 = b0 + 1 < B ? b0 + 1 : b0;  /* an odd last input twice, its copy dropped */
       const float *xs[2] = {X + b0 * ldx, X + b1 * ldx};
       float *ys[2] = {Y + b0 * ldy + n, b1 > b0 ? Y + b1 * ldy + n : dump};
-      k8x2(xs, W + n * K, K, ys);
+      if (b0 == 0) k8x2(xs, W + n * K, K, ys);  /* the rows from memory */
+      else k8x2_cached(xs, W + n * K, K, ys);
     }
   for (; n < n1; n++) for (long b = 0; b < B; b++) Y[b * ldy + n] = one_row(X + b * ldx, W + n * K, K);
 }
