@@ -263,6 +263,8 @@ def attention_rows(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: in
     vptr = (ctypes.c_long * rows)(*(t.data_ptr() for t in values))
     if any(kt.stride(0) != vt.stride(0) for kt, vt in zip(keys, values)):
         raise ValueError("a sequence's key and value rows must be of one window")
+    if any(not 0 <= at < kt.shape[1] for kt, at in zip(keys, positions)):
+        raise IndexError("a position is outside its sequence's window")  # written unchecked
     hs = (ctypes.c_long * rows)(*(t.stride(0) for t in keys))
     at = (ctypes.c_long * rows)(*positions)
     function("tandem_attn_rows_f32")(

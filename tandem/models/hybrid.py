@@ -743,6 +743,12 @@ class HybridModel:
         zeros (it has no state), and its results are dropped. A row's bits at those rows are
         its own whatever the other row holds, so the lone sequence's logits are those it gets
         in any batch. The native kernel needs no pad (decode_ops.block() is 1 there)."""
+        for s, at in zip(states, positions):
+            view = s.views["K"]
+            if not 0 <= at < view.tensor.shape[view.token_axis]:
+                # before any layer advances a state: a row past the window is never written
+                raise IndexError(f"position {at} is outside a window of "
+                                 f"{view.tensor.shape[view.token_axis]} rows")
         if self.graphs is not None and self.graphs.takes(self):
             return self.graphs.decode(self, states, token_ids, positions, rope_offsets)
         n = len(states)

@@ -174,3 +174,17 @@ def test_the_small_model_takes_the_step_only_with_the_native_kernels(small):
     native_step.set_enabled(False)
     decode.set_native(True)
     assert small._native_step() is None
+
+
+def test_a_position_past_the_window_is_refused_before_the_kernel_writes(small):
+    """The kernels write a key row at its position unchecked: the whole step and the layer
+    path's attention refuse a position outside the window (as torch's indexing does) and leave
+    the state as it was."""
+    seqs = _prefilled(small, [10], [16])
+    state = seqs[0][0]
+    before = _clone(state)
+    for whole in (True, False):
+        native_step.set_enabled(whole)
+        with torch.inference_mode(), pytest.raises(IndexError):
+            small.forward_batch([state], [3], [16])
+        _assert_same(([], [state]), ([], [before]))
