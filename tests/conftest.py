@@ -45,12 +45,23 @@ def decode_matmuls(request):
     decode.set_native(before)
 
 
-@pytest.fixture
-def torch_matmuls():
-    """Decode's matmuls on torch's path for one test (what it asserts is torch's bits)."""
+def _decode_native(on: bool):
+    """Decode's matmuls on the native kernel (on) or torch's path for one test, put back after."""
     from tandem.kernels import decode
 
     before = decode.block() == 1
-    decode.set_native(False)
+    decode.set_native(on)
     yield
     decode.set_native(before)
+
+
+@pytest.fixture
+def torch_matmuls():
+    """Decode's matmuls on torch's path for one test (what it asserts is torch's bits)."""
+    yield from _decode_native(False)
+
+
+@pytest.fixture
+def native_on():
+    """Decode on the native kernels for one test (tandem.kernels.native, where it builds)."""
+    yield from _decode_native(True)

@@ -31,7 +31,6 @@ from tandem.kernels.native import fits as native_fits
 from tandem.kernels.native import rows_f32 as native_rows
 from tandem.kernels.native import rows_fit as native_rows_fit
 from tandem.kernels import step as native_step
-from tandem.kernels.step import NativeStep
 from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
 from tandem.models.base import Cost, ModelError, ModelState, View
 
@@ -918,13 +917,13 @@ class HybridModel:
         half = self.config.rotary_dim // 2
         return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
-    def _native_step(self) -> "NativeStep | None":
+    def _native_step(self) -> "native_step.NativeStep | None":
         """The whole decode step as one native call (tandem.kernels.step), where this model's
         decode is all the native kernels' (None elsewhere, or with the step turned off)."""
         if not native_step.enabled() or decode_ops.block() != 1:
             return None
         if "_native_plan" not in self.__dict__:  # built on the first step, kept (or None)
-            self._native_plan = NativeStep.build(self)
+            self._native_plan = native_step.NativeStep.build(self)
         return self._native_plan
 
     def _residual_norm(self, x: torch.Tensor, h: torch.Tensor | None, gain: str,

@@ -19,14 +19,3 @@ def device() -> str:
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return "cpu"
     return "cuda"
-
-
-@pytest.fixture
-def native_on():
-    """Decode on the native kernels for one test (tandem.kernels.native), as it was after."""
-    from tandem.kernels import decode
-
-    before = decode.block() == 1
-    decode.set_native(True)
-    yield
-    decode.set_native(before)

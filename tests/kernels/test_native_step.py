@@ -177,9 +177,9 @@ def test_the_small_model_takes_the_step_only_with_the_native_kernels(small):
 
 
 def test_a_position_past_the_window_is_refused_before_the_kernel_writes(small):
-    """The kernels write a key row at its position unchecked: the whole step and the layer
-    path's attention refuse a position outside the window (as torch's indexing does) and leave
-    the state as it was."""
+    """The kernels write a key row at its position unchecked: forward_batch refuses a position
+    outside the window on the whole step and on the layer path (as torch's indexing does) and
+    leaves the state as it was."""
     seqs = _prefilled(small, [10], [16])
     state = seqs[0][0]
     before = _clone(state)

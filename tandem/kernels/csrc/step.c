@@ -9,7 +9,6 @@
    which on `tiny` (whose layers read 17 MB beside a 254 MB head) cost more than the layers'
    arithmetic. Nothing here is compiled with -ffast-math. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "kernels.h"
 
