@@ -129,9 +129,11 @@ class EngineConfig(_Section):
         "Weights and activations dtype; auto: float32 on a CPU, bfloat16 on a GPU."
         ))] = "auto"
     native_kernels: Annotated[bool, Meta(description=(
-        "Decode's fp32 CPU work (matmuls, norms, attention) on tandem's own AVX-512 kernels, "
-        "built by the machine's C compiler at first use, where they build; off keeps torch's "
-        "ops. The two round differently; each gives a row the same bits in any batch."
+        "Decode's fp32 CPU work (matmuls, norms, attention) and a prefill's Gated DeltaNet "
+        "middle (conv, gates, chunked delta rule, gated norm) on tandem's own AVX-512 "
+        "kernels, built by the machine's C compiler at first use, where they build; off keeps "
+        "torch's ops. The two round differently; each gives a row the same bits in any batch "
+        "and a resumed prefill a cold one's."
         ))] = True
     device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
         "Where the engine runs: auto (the first CUDA device when torch sees one, else the "

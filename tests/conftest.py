@@ -46,7 +46,8 @@ def decode_matmuls(request):
 
 
 def _decode_native(on: bool):
-    """Decode's matmuls on the native kernel (on) or torch's path for one test, put back after."""
+    """Decode's matmuls and a prefill's GDN middle on the native kernel (on) or torch's path for
+    one test, put back after."""
     from tandem.kernels import decode
 
     before = decode.block() == 1
@@ -57,7 +58,8 @@ def _decode_native(on: bool):
 
 @pytest.fixture
 def torch_matmuls():
-    """Decode's matmuls on torch's path for one test (what it asserts is torch's bits)."""
+    """Decode's matmuls and a prefill's GDN middle on torch's path for one test (what it asserts
+    is torch's bits, or what the reference ops see)."""
     yield from _decode_native(False)
 
 

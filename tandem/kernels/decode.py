@@ -45,6 +45,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import reference
 from tandem.kernels.native import fits as native_fits
 from tandem.kernels.native import function as native_function
 from tandem.kernels.native import rows_f32 as native_rows
@@ -58,9 +59,10 @@ _native: bool | None = None
 
 
 def set_native(on: bool) -> bool:
-    """Decode's fp32 CPU matmuls on the native kernel (where it builds) or on torch's path, for
-    this process; returns whether the native kernel is now in use. The two round differently:
-    set it before a model decodes, never between the steps a test compares."""
+    """Decode's fp32 CPU matmuls, and a prefill's GDN middle (GdnLayer.prefill), on the native
+    kernel (where it builds) or on torch's path, for this process; returns whether the native
+    kernel is now in use. The two round differently: set it before a model runs, never between
+    the steps or the chunks a test compares."""
     global _native
     from tandem.kernels import native
 
@@ -295,3 +297,21 @@ class GdnLayer:
             b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0),
             _pointers(tails[0], tails[1], states[0], states[1]), out.data_ptr(),
             out.stride(0), torch.get_num_threads())
+
+    def prefill(self, out: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                z: torch.Tensor, tail: torch.Tensor, state: torch.Tensor) -> bool:
+        """The layer's middle over a prefill chunk of one sequence (csrc/gdn.c,
+        ``tandem_gdn_prefill_f32``): the conv of its rows, the gates and the delta rule in
+        blocks of reference.GDN_CHUNK from the chunk's first row, the gated norm. Operands as
+        ``__call__``'s for T rows (``fits``); the sequence's tail [C, K-1] and state [hv, dk,
+        dv] advance in place. False, with nothing written, where the kernel could not allocate
+        its buffers (the caller then takes the reference path)."""
+        if reference.GDN_CHUNK != _PREFILL_BLOCK:
+            return False
+        return native_function("tandem_gdn_prefill_f32")(
+            self._ref, mixed.shape[0], mixed.data_ptr(), mixed.stride(0), a.data_ptr(),
+            a.stride(0), b.data_ptr(), b.stride(0), z.data_ptr(), z.stride(0), tail.data_ptr(),
+            state.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads()) == 0
+
+
+_PREFILL_BLOCK = 64  # gdn.c's CH: the block the native prefill's delta rule runs in

@@ -113,11 +113,13 @@ SIGNATURES.update({
     "tandem_conv_rows_f32": [_L, _P, _L, _P, _P, _L, _L, _P, _L],
     "tandem_delta_rows_f32": [_L, _P, _P, _P, _P, _P, _P, _L, _L, _L, _P, _I],
     "tandem_gdn_rows_f32": [_P, _L, _P, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _L, _I],
+    # a prefill chunk's middle (decode.GdnLayer.prefill): 0, or -1 without its buffers
+    "tandem_gdn_prefill_f32": [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _P, _L, _I],
 })
 # csrc/step.c: a whole decode step (step.NativeStep); it returns 0, or -1 where it could not
 # allocate its buffers
 SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _P, _I]
-RESTYPES = {"tandem_step_f32": _I}  # the rest return void
+RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I}  # the rest return void
 
 
 def _load() -> ctypes.CDLL | None:

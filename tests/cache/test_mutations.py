@@ -52,9 +52,11 @@ def test_a_broken_restore_fails_the_cache_test_of_each_tier(mutation, tier, whic
 
 
 @pytest.mark.parametrize("which", ["qwen3_5_dir", "qwen3_next_dir", "small"])
-def test_the_test_models_remember_their_recurrent_state(which, request, monkeypatch, tmp_path):
+def test_the_test_models_remember_their_recurrent_state(which, request, monkeypatch, tmp_path,
+                                                        torch_matmuls):
     """A median per-token decay near 1: with the 0.06 of transformers' random init the state was
-    forgotten within three tokens and a restore that lost it still passed the greedy gate."""
+    forgotten within three tokens and a restore that lost it still passed the greedy gate. The
+    reference ops run (torch_matmuls), so that the decays are seen where they are computed."""
     path = (make_small_hybrid(tmp_path / "small", tokenizer=False) if which == "small"
             else request.getfixturevalue(which))
     model = HybridModel.load(path)

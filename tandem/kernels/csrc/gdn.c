@@ -251,3 +251,250 @@ void tandem_gdn_rows_f32(const struct gdn_layer *L, long R, const long *rows, co
   }
   free(scratch);
 }
+
+
+/* -- prefill: a GDN layer's middle over a chunk of one sequence ------------------------------
+
+   The same layer middle for T consecutive rows of one sequence, the delta rule in its chunked
+   form (reference.chunk_gated_delta_rule's): the conv of every row on the inputs before it,
+   the gates, then, a head at a time, the rows in blocks of CH (64) from the chunk's start:
+
+     v'_i = beta_i (v_i - e^{G_i} k_i S) - sum_{j<i} A_ij v'_j       (the block's new values)
+     o_i  = e^{G_i} q_i S + sum_{j<=i} (q_i . k_j) D_ij v'_j
+     S   <- e^{G_n} S + sum_j e^{G_n - G_j} k_j^T v'_j
+
+   with G the decays' running sum in the block, D_ij = e^{G_i - G_j} and A_ij = beta_i (k_i .
+   k_j) D_ij. Every exponent below LOG_FLOOR counts as 0 (reference.LOG_FLOOR: the reference
+   drops those terms too, and keeps every product in fp32's normal range). It is the
+   reference's algebra with its two triangular solves folded into one (the rows past a
+   block's floored prefix, which the reference solves without the state's term, differ from it
+   by less than e^LOG_FLOOR of that term).
+
+   A row's output reads only the rows before it in its block and the state at the block's
+   start, each element through one fixed sequence of operations; a block's state reads its
+   rows in ascending order; a head is one thread's, start to end. So the bits are a function
+   of the inputs and of where the blocks start (the call's first row), at any T past a row and
+   on any thread count: a prefill resumed on the grid (a multiple of CH) computes what a cold
+   one computed. */
+
+#define CH 64            /* reference.GDN_CHUNK */
+#define LOG_FLOOR -30.0f /* reference.LOG_FLOOR */
+
+/* e^x for x <= 0, x below LOG_FLOOR taken as exactly 0 (reference._floored_exp) */
+static inline __m512 floored_exp16(__m512 x) {
+  const __m512 floor = _mm512_set1_ps(LOG_FLOOR);
+  __mmask16 live = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
+  __m512 e = exp16(_mm512_min_ps(_mm512_max_ps(x, floor), _mm512_setzero_ps()));
+  return _mm512_maskz_mov_ps(live, e);
+}
+
+static inline float floored_expf(float x) {
+  __m512 e = floored_exp16(_mm512_set1_ps(x));
+  return _mm_cvtss_f32(_mm512_castps512_ps128(e));
+}
+
+/* One row's conv over the sequence: y[c] = silu(sum_j w[c, j] x_{t-K+1+j}[c]) in ascending j
+   (a product, then FMAs: conv_row's order), the inputs before row 0 read from tailT [K-1, C]
+   (the tail's columns as rows), wT [K, C] the taps as rows. */
+static void conv_seq_row(const float *mixed, long ld, long t, const float *tailT,
+                         const float *wT, long C, long K, float *y) {
+  for (long c = 0; c < C; c += 16) {
+    __mmask16 m = tail_mask(C - c);
+    __m512 acc = _mm512_setzero_ps();
+    for (long j = 0; j < K; j++) {
+      long src = t - (K - 1) + j;
+      const float *xj = src >= 0 ? mixed + src * ld : tailT + (src + K - 1) * C;
+      __m512 xv = _mm512_maskz_loadu_ps(m, xj + c);
+      __m512 wv = _mm512_maskz_loadu_ps(m, wT + j * C + c);
+      acc = j == 0 ? _mm512_mul_ps(xv, wv) : _mm512_fmadd_ps(xv, wv, acc);
+    }
+    _mm512_mask_storeu_ps(y + c, m, silu16(acc));
+  }
+}
+
+/* xa . R and xb . R over n rows of R (rows ld apart, ``width`` <= 16 JB columns from R): the
+   rows in ascending order, a product's FMA each, into JB vectors of each sum */
+static inline void two_sums(const float *xa, const float *xb, long n, const float *R, long ld,
+                            long width, __m512 *sa, __m512 *sb) {
+  const int nv = (int)((width + 15) / 16);
+  for (int u = 0; u < JB; u++) sa[u] = sb[u] = _mm512_setzero_ps();
+  for (long r = 0; r < n; r++) {
+    const __m512 a = _mm512_set1_ps(xa[r]), b = _mm512_set1_ps(xb[r]);
+    const float *row = R + r * ld;
+    for (int u = 0; u < nv; u++) {
+      __m512 x = _mm512_maskz_loadu_ps(tail_mask(width - 16 * u), row + 16 * u);
+      sa[u] = _mm512_fmadd_ps(a, x, sa[u]);
+      sb[u] = _mm512_fmadd_ps(b, x, sb[u]);
+    }
+  }
+}
+
+/* A head's scratch: the block's keys as columns [dk, CH], its new values [CH, dv], the row's
+   k S and q S [dv], the block's running decays, their exponentials and the state's weights. */
+struct head_scratch {
+  float *kT, *vnew, *ks, *qs;
+  float G[CH], eG[CH], to_end[CH], A[CH], In[CH];
+};
+
+/* One head over T rows: y [T, Cy] (the conv's output, q and k normalised), g, beta [T, hv],
+   S [dk, dv] in place, out rows [dv] ld_out apart (before the norm). */
+static void chunk_head(const float *y, long Cy, long T, const float *g, const float *beta,
+                       long hv, long h, long qoff, long koff, long voff, long dk, long dv,
+                       float *S, float *out, long ld_out, struct head_scratch *sc) {
+  for (long c0 = 0; c0 < T; c0 += CH) {
+    const long n = T - c0 < CH ? T - c0 : CH;
+    float run = 0.0f;
+    for (long i = 0; i < CH; i++) {
+      if (i < n) run += g[(c0 + i) * hv + h];
+      sc->G[i] = run;  /* rows past n repeat the last: their columns are masked off below */
+    }
+    for (long i = 0; i < n; i++) sc->eG[i] = floored_expf(sc->G[i]);
+    for (long a = 0; a < dk; a++)
+      for (long i = 0; i < CH; i++)
+        sc->kT[a * CH + i] = i < n ? y[(c0 + i) * Cy + koff + a] : 0.0f;
+    for (long i = 0; i < n; i++) {
+      const float *yi = y + (c0 + i) * Cy;
+      const float *qi = yi + qoff, *ki = yi + koff, *vi = yi + voff;
+      const float bi = beta[(c0 + i) * hv + h];
+      /* k_i . k_j and q_i . k_j for the block's columns j, then A and the intra weights */
+      __m512 kk[CH / 16], qk[CH / 16];
+      for (int u = 0; u < CH / 16; u++) kk[u] = qk[u] = _mm512_setzero_ps();
+      for (long a = 0; a < dk; a++) {
+        const __m512 ka = _mm512_set1_ps(ki[a]), qa = _mm512_set1_ps(qi[a]);
+        for (int u = 0; u < CH / 16; u++) {
+          __m512 col = _mm512_loadu_ps(sc->kT + a * CH + 16 * u);
+          kk[u] = _mm512_fmadd_ps(ka, col, kk[u]);
+          qk[u] = _mm512_fmadd_ps(qa, col, qk[u]);
+        }
+      }
+      const __m512 Gi = _mm512_set1_ps(sc->G[i]), bv = _mm512_set1_ps(bi);
+      for (int u = 0; u < CH / 16; u++) {
+        long j0 = 16 * u;
+        __mmask16 below = j0 >= i ? 0 : tail_mask(i - j0);        /* j < i */
+        __mmask16 upto = j0 > i ? 0 : tail_mask(i + 1 - j0);      /* j <= i */
+        __m512 D = floored_exp16(_mm512_sub_ps(Gi, _mm512_loadu_ps(sc->G + j0)));
+        _mm512_storeu_ps(sc->A + j0, _mm512_maskz_mul_ps(below, _mm512_mul_ps(bv, kk[u]), D));
+        _mm512_storeu_ps(sc->In + j0, _mm512_maskz_mul_ps(upto, qk[u], D));
+      }
+      /* k_i S and q_i S, in column blocks of 16 * JB */
+      for (long c = 0; c < dv; c += 16 * JB) {
+        long width = dv - c < 16 * JB ? dv - c : 16 * JB;
+        int nv = (int)((width + 15) / 16);
+        __m512 ak[JB], aq[JB];
+        two_sums(ki, qi, dk, S + c, dv, width, ak, aq);
+        for (int u = 0; u < nv; u++) {
+          __mmask16 m = tail_mask(width - 16 * u);
+          _mm512_mask_storeu_ps(sc->ks + c + 16 * u, m, ak[u]);
+          _mm512_mask_storeu_ps(sc->qs + c + 16 * u, m, aq[u]);
+        }
+      }
+      /* v'_i and o_i from the block's rows before it */
+      const __m512 eGi = _mm512_set1_ps(sc->eG[i]), Ii = _mm512_set1_ps(sc->In[i]);
+      float *vn = sc->vnew + i * dv, *oi = out + (c0 + i) * ld_out;
+      for (long c = 0; c < dv; c += 16 * JB) {
+        long width = dv - c < 16 * JB ? dv - c : 16 * JB;
+        int nv = (int)((width + 15) / 16);
+        __m512 av[JB], ao[JB];
+        two_sums(sc->A, sc->In, i, sc->vnew + c, dv, width, av, ao);
+        for (int u = 0; u < nv; u++) {
+          __mmask16 m = tail_mask(width - 16 * u);
+          long at = c + 16 * u;
+          __m512 r = _mm512_fnmadd_ps(eGi, _mm512_maskz_loadu_ps(m, sc->ks + at),
+                                      _mm512_maskz_loadu_ps(m, vi + at));
+          __m512 x = _mm512_sub_ps(_mm512_mul_ps(bv, r), av[u]);
+          _mm512_mask_storeu_ps(vn + at, m, x);
+          __m512 o = _mm512_fmadd_ps(eGi, _mm512_maskz_loadu_ps(m, sc->qs + at), ao[u]);
+          _mm512_mask_storeu_ps(oi + at, m, _mm512_fmadd_ps(Ii, x, o));
+        }
+      }
+    }
+    /* the state at the block's end */
+    const float last = sc->G[n - 1];
+    const __m512 eL = _mm512_set1_ps(sc->eG[n - 1]);
+    for (long j = 0; j < n; j++) sc->to_end[j] = floored_expf(last - sc->G[j]);
+    for (long a = 0; a < dk; a++) {
+      const float *kr = sc->kT + a * CH;
+      float *row = S + a * dv;
+      for (long c = 0; c < dv; c += 16 * JB) {
+        long width = dv - c < 16 * JB ? dv - c : 16 * JB;
+        int nv = (int)((width + 15) / 16);
+        __m512 acc[JB];
+        for (int u = 0; u < nv; u++)
+          acc[u] = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(tail_mask(width - 16 * u),
+                                                           row + c + 16 * u));
+        for (long j = 0; j < n; j++) {
+          const __m512 w = _mm512_set1_ps(sc->to_end[j] * kr[j]);
+          const float *vj = sc->vnew + j * dv + c;
+          for (int u = 0; u < nv; u++)
+            acc[u] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(tail_mask(width - 16 * u),
+                                                              vj + 16 * u), acc[u]);
+        }
+        for (int u = 0; u < nv; u++)
+          _mm512_mask_storeu_ps(row + c + 16 * u, tail_mask(width - 16 * u), acc[u]);
+      }
+    }
+  }
+}
+
+/* A GDN layer's prefill middle for T rows of one sequence: mixed [T, C] (the in_proj's q, k, v
+   before the conv), a, b [T, hv], z [T, hv dv] (each at its row stride), its tail [C, K-1] and
+   state [hv, dk, dv] advanced in place; writes out [T, hv dv] (rows ld_out apart), the gated
+   norm's output, ready for out_proj. Returns 0, or -1 where its buffers could not be had
+   (nothing written then). */
+int tandem_gdn_prefill_f32(const struct gdn_layer *L, long T, const float *mixed, long ld_mixed,
+                           const float *a, long ld_a, const float *b, long ld_b, const float *z,
+                           long ld_z, float *tail, float *state, float *out, long ld_out,
+                           int threads) {
+  const long hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv, K = L->K;
+  const long kd = hk * dk, C = 2 * kd + hv * dv, ratio = hv / hk, km = K - 1;
+  if (T <= 0) return 0;
+  size_t head_floats = (size_t)(dk * CH + CH * dv + 2 * dv);
+  size_t floats = (size_t)(T * C + 2 * T * hv + (km + K) * C) + (size_t)hv * head_floats;
+  float *buf = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+  if (buf == NULL) return -1;
+  float *y = buf, *gl = y + T * C, *bt = gl + T * hv, *tailT = bt + T * hv, *wT = tailT + km * C;
+  float *heads = wT + K * C;
+  for (long c = 0; c < C; c++) {
+    for (long j = 0; j < km; j++) tailT[j * C + c] = tail[c * km + j];
+    for (long j = 0; j < K; j++) wT[j * C + c] = L->conv_w[c * K + j];
+  }
+  /* the tail after the call: the last K-1 inputs, from the rows or from the tail before */
+  for (long j = 0; j < km; j++) {
+    long src = T - km + j;
+    for (long c = 0; c < C; c++)
+      tail[c * km + j] = src >= 0 ? mixed[src * ld_mixed + c] : tailT[(src + km) * C + c];
+  }
+  const int nt = team(threads, T * hv * dk * dv);
+  #pragma omp parallel if(nt > 1) num_threads(nt)
+  {
+    #pragma omp for schedule(static)
+    for (long t = 0; t < T; t++) {
+      float *yt = y + t * C;
+      conv_seq_row(mixed, ld_mixed, t, tailT, wT, C, K, yt);
+      for (long h = 0; h < 2 * hk; h++) l2norm_head(yt + h * dk, dk, L->l2_eps, L->q_scale, h < hk);
+      const float *at = a + t * ld_a, *bt_in = b + t * ld_b;
+      for (long h = 0; h < hv; h++) {
+        gl[t * hv + h] = L->neg_A[h] * softplusf(at[h] + L->dt_bias[h]);
+        bt[t * hv + h] = sigmoidf(bt_in[h]);
+      }
+    }
+    #pragma omp for schedule(static)
+    for (long h = 0; h < hv; h++) {
+      struct head_scratch sc;
+      float *mine = heads + (size_t)h * head_floats;
+      sc.kT = mine;
+      sc.vnew = sc.kT + dk * CH;
+      sc.ks = sc.vnew + CH * dv;
+      sc.qs = sc.ks + dv;
+      long g = h / ratio;
+      chunk_head(y, C, T, gl, bt, hv, h, g * dk, kd + g * dk, 2 * kd + h * dv, dk, dv,
+                 state + h * dk * dv, out + h * dv, ld_out, &sc);
+    }
+    #pragma omp for schedule(static)
+    for (long t = 0; t < T; t++)
+      for (long h = 0; h < hv; h++)
+        gated_norm_head(out + t * ld_out + h * dv, z + t * ld_z + h * dv, L->norm_w, dv, L->eps);
+  }
+  free(buf);
+  return 0;
+}
