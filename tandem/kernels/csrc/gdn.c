@@ -312,27 +312,35 @@ static void conv_seq_row(const float *mixed, long ld, long t, const float *tailT
   }
 }
 
-/* xa . R and xb . R over n rows of R (rows ld apart, ``width`` <= 16 JB columns from R): the
-   rows in ascending order, a product's FMA each, into JB vectors of each sum */
+/* A block of up to 32 columns, ``left`` of them from its first: its two vectors' lanes */
+static inline void two_masks(long left, __mmask16 *m0, __mmask16 *m1) {
+  *m0 = tail_mask(left);
+  *m1 = left > 16 ? tail_mask(left - 16) : 0;
+}
+
+/* xa . R and xb . R over n rows of R (rows ld apart) on one block of 32 columns (masks m0, m1),
+   the rows in ascending order, a product's FMA each: s = {a[0:16], a[16:32], b[0:16],
+   b[16:32]}. Four sums in registers (a loop over a variable count of vectors kept them in
+   memory, a store and a load on every FMA). */
 static inline void two_sums(const float *xa, const float *xb, long n, const float *R, long ld,
-                            long width, __m512 *sa, __m512 *sb) {
-  const int nv = (int)((width + 15) / 16);
-  for (int u = 0; u < JB; u++) sa[u] = sb[u] = _mm512_setzero_ps();
+                            __mmask16 m0, __mmask16 m1, __m512 s[4]) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
   for (long r = 0; r < n; r++) {
     const __m512 a = _mm512_set1_ps(xa[r]), b = _mm512_set1_ps(xb[r]);
     const float *row = R + r * ld;
-    for (int u = 0; u < nv; u++) {
-      __m512 x = _mm512_maskz_loadu_ps(tail_mask(width - 16 * u), row + 16 * u);
-      sa[u] = _mm512_fmadd_ps(a, x, sa[u]);
-      sb[u] = _mm512_fmadd_ps(b, x, sb[u]);
-    }
+    __m512 x0 = _mm512_maskz_loadu_ps(m0, row), x1 = _mm512_maskz_loadu_ps(m1, row + 16);
+    a0 = _mm512_fmadd_ps(a, x0, a0);
+    a1 = _mm512_fmadd_ps(a, x1, a1);
+    b0 = _mm512_fmadd_ps(b, x0, b0);
+    b1 = _mm512_fmadd_ps(b, x1, b1);
   }
+  s[0] = a0, s[1] = a1, s[2] = b0, s[3] = b1;
 }
 
-/* A head's scratch: the block's keys as columns [dk, CH], its new values [CH, dv], the row's
-   k S and q S [dv], the block's running decays, their exponentials and the state's weights. */
+/* A head's scratch: the block's keys as columns [dk, CH], its new values [CH, dv], the block's
+   running decays, their exponentials, the state's weights and a row's A and intra weights. */
 struct head_scratch {
-  float *kT, *vnew, *ks, *qs;
+  float *kT, *vnew;
   float G[CH], eG[CH], to_end[CH], A[CH], In[CH];
 };
 
@@ -376,61 +384,56 @@ static void chunk_head(const float *y, long Cy, long T, const float *g, const fl
         _mm512_storeu_ps(sc->A + j0, _mm512_maskz_mul_ps(below, _mm512_mul_ps(bv, kk[u]), D));
         _mm512_storeu_ps(sc->In + j0, _mm512_maskz_mul_ps(upto, qk[u], D));
       }
-      /* k_i S and q_i S, in column blocks of 16 * JB */
-      for (long c = 0; c < dv; c += 16 * JB) {
-        long width = dv - c < 16 * JB ? dv - c : 16 * JB;
-        int nv = (int)((width + 15) / 16);
-        __m512 ak[JB], aq[JB];
-        two_sums(ki, qi, dk, S + c, dv, width, ak, aq);
-        for (int u = 0; u < nv; u++) {
-          __mmask16 m = tail_mask(width - 16 * u);
-          _mm512_mask_storeu_ps(sc->ks + c + 16 * u, m, ak[u]);
-          _mm512_mask_storeu_ps(sc->qs + c + 16 * u, m, aq[u]);
-        }
-      }
-      /* v'_i and o_i from the block's rows before it */
+      /* k_i S and q_i S, then v'_i and o_i from the block's rows before it, 32 columns at a
+         time */
       const __m512 eGi = _mm512_set1_ps(sc->eG[i]), Ii = _mm512_set1_ps(sc->In[i]);
       float *vn = sc->vnew + i * dv, *oi = out + (c0 + i) * ld_out;
-      for (long c = 0; c < dv; c += 16 * JB) {
-        long width = dv - c < 16 * JB ? dv - c : 16 * JB;
-        int nv = (int)((width + 15) / 16);
-        __m512 av[JB], ao[JB];
-        two_sums(sc->A, sc->In, i, sc->vnew + c, dv, width, av, ao);
-        for (int u = 0; u < nv; u++) {
-          __mmask16 m = tail_mask(width - 16 * u);
+      for (long c = 0; c < dv; c += 32) {
+        __mmask16 m[2];
+        two_masks(dv - c, &m[0], &m[1]);
+        __m512 kq[4], vo[4];
+        two_sums(ki, qi, dk, S + c, dv, m[0], m[1], kq);
+        two_sums(sc->A, sc->In, i, sc->vnew + c, dv, m[0], m[1], vo);
+        for (int u = 0; u < 2; u++) {
           long at = c + 16 * u;
-          __m512 r = _mm512_fnmadd_ps(eGi, _mm512_maskz_loadu_ps(m, sc->ks + at),
-                                      _mm512_maskz_loadu_ps(m, vi + at));
-          __m512 x = _mm512_sub_ps(_mm512_mul_ps(bv, r), av[u]);
-          _mm512_mask_storeu_ps(vn + at, m, x);
-          __m512 o = _mm512_fmadd_ps(eGi, _mm512_maskz_loadu_ps(m, sc->qs + at), ao[u]);
-          _mm512_mask_storeu_ps(oi + at, m, _mm512_fmadd_ps(Ii, x, o));
+          __m512 r = _mm512_fnmadd_ps(eGi, kq[u], _mm512_maskz_loadu_ps(m[u], vi + at));
+          __m512 x = _mm512_sub_ps(_mm512_mul_ps(bv, r), vo[u]);
+          _mm512_mask_storeu_ps(vn + at, m[u], x);
+          __m512 o = _mm512_fmadd_ps(eGi, kq[2 + u], vo[2 + u]);
+          _mm512_mask_storeu_ps(oi + at, m[u], _mm512_fmadd_ps(Ii, x, o));
         }
       }
     }
-    /* the state at the block's end */
+    /* the state at the block's end, two of its rows and 32 columns at a time */
     const float last = sc->G[n - 1];
     const __m512 eL = _mm512_set1_ps(sc->eG[n - 1]);
     for (long j = 0; j < n; j++) sc->to_end[j] = floored_expf(last - sc->G[j]);
-    for (long a = 0; a < dk; a++) {
-      const float *kr = sc->kT + a * CH;
-      float *row = S + a * dv;
-      for (long c = 0; c < dv; c += 16 * JB) {
-        long width = dv - c < 16 * JB ? dv - c : 16 * JB;
-        int nv = (int)((width + 15) / 16);
-        __m512 acc[JB];
-        for (int u = 0; u < nv; u++)
-          acc[u] = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(tail_mask(width - 16 * u),
-                                                           row + c + 16 * u));
+    for (long a = 0; a < dk; a += 2) {
+      const int pair = a + 1 < dk;
+      const float *k0 = sc->kT + a * CH, *k1 = sc->kT + (a + pair) * CH;
+      float *r0 = S + a * dv, *r1 = S + (a + pair) * dv;
+      for (long c = 0; c < dv; c += 32) {
+        __mmask16 m0, m1;
+        two_masks(dv - c, &m0, &m1);
+        __m512 s00 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m0, r0 + c));
+        __m512 s01 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m1, r0 + c + 16));
+        __m512 s10 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m0, r1 + c));
+        __m512 s11 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m1, r1 + c + 16));
         for (long j = 0; j < n; j++) {
-          const __m512 w = _mm512_set1_ps(sc->to_end[j] * kr[j]);
+          const __m512 w0 = _mm512_set1_ps(sc->to_end[j] * k0[j]);
+          const __m512 w1 = _mm512_set1_ps(sc->to_end[j] * k1[j]);
           const float *vj = sc->vnew + j * dv + c;
-          for (int u = 0; u < nv; u++)
-            acc[u] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(tail_mask(width - 16 * u),
-                                                              vj + 16 * u), acc[u]);
+          __m512 x0 = _mm512_maskz_loadu_ps(m0, vj), x1 = _mm512_maskz_loadu_ps(m1, vj + 16);
+          s00 = _mm512_fmadd_ps(w0, x0, s00);
+          s01 = _mm512_fmadd_ps(w0, x1, s01);
+          s10 = _mm512_fmadd_ps(w1, x0, s10);
+          s11 = _mm512_fmadd_ps(w1, x1, s11);
         }
-        for (int u = 0; u < nv; u++)
-          _mm512_mask_storeu_ps(row + c + 16 * u, tail_mask(width - 16 * u), acc[u]);
+        /* a lone last row (dk odd) computed twice, stored once */
+        _mm512_mask_storeu_ps(r1 + c, m0, s10);
+        _mm512_mask_storeu_ps(r1 + c + 16, m1, s11);
+        _mm512_mask_storeu_ps(r0 + c, m0, s00);
+        _mm512_mask_storeu_ps(r0 + c + 16, m1, s01);
       }
     }
   }
@@ -448,7 +451,7 @@ int tandem_gdn_prefill_f32(const struct gdn_layer *L, long T, const float *mixed
   const long hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv, K = L->K;
   const long kd = hk * dk, C = 2 * kd + hv * dv, ratio = hv / hk, km = K - 1;
   if (T <= 0) return 0;
-  size_t head_floats = (size_t)(dk * CH + CH * dv + 2 * dv);
+  size_t head_floats = (size_t)(dk * CH + CH * dv);
   size_t floats = (size_t)(T * C + 2 * T * hv + (km + K) * C) + (size_t)hv * head_floats;
   float *buf = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
   if (buf == NULL) return -1;
@@ -484,8 +487,6 @@ int tandem_gdn_prefill_f32(const struct gdn_layer *L, long T, const float *mixed
       float *mine = heads + (size_t)h * head_floats;
       sc.kT = mine;
       sc.vnew = sc.kT + dk * CH;
-      sc.ks = sc.vnew + CH * dv;
-      sc.qs = sc.ks + dv;
       long g = h / ratio;
       chunk_head(y, C, T, gl, bt, hv, h, g * dk, kd + g * dk, 2 * kd + h * dv, dk, dv,
                  state + h * dk * dv, out + h * dv, ld_out, &sc);
