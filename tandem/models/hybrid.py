@@ -554,7 +554,10 @@ class HybridModel:
             cos, sin = self._mrope(rope_positions)
         else:
             cos, sin = self._rope(start + rope_offset, num_tokens)
-        mask = self._causal_mask(start, num_tokens) if num_tokens > 1 else None
+        # A first chunk is causal over its own keys alone: SDPA's is_causal, which skips the
+        # blocks above the diagonal (1.6 against 2.4 ms a layer at 1k rows on tiny, the same
+        # bits as the mask on every shape tried); later chunks see every key before them.
+        mask = self._causal_mask(start, num_tokens) if num_tokens > 1 and start > 0 else None
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
@@ -684,10 +687,12 @@ class HybridModel:
         kbuf[:, start:end] = k.transpose(0, 1)
         vbuf[:, start:end] = v.transpose(0, 1)
         # Chunk k attends over keys [0, end): the same shapes whether the rows below start were
-        # computed now or restored from a cache. A decode token sees every key: no mask.
+        # computed now or restored from a cache. A decode token sees every key: no mask; a
+        # first chunk of several rows is causal (no mask either, _layers).
         keys, values = kbuf[:, :end], vbuf[:, :end]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+                                             attn_mask=mask, is_causal=mask is None and n > 1,
+                                             scale=hd ** -0.5, enable_gqa=True)
         out = out[0].transpose(0, 1).reshape(n, nh * hd)
         out = out * torch.sigmoid(gate)
         return F.linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))

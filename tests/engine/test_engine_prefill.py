@@ -38,7 +38,9 @@ def test_the_hybrid_returns_no_logits_when_asked_for_none(hybrid):
 
 def test_a_prefill_chunk_gives_every_attention_layer_one_additive_mask(monkeypatch):
     # SDPA converts a boolean mask to this additive one in every call (about 35 ms a layer at
-    # 16k keys on tiny): the forward builds it once, for both attention layers here.
+    # 16k keys on tiny): the forward builds it once, for both attention layers here. A first
+    # chunk sees only its own keys: SDPA's is_causal, no mask, and the mask's very bits
+    # (checked here by running each such call with the mask too).
     from small_hybrid import SMALL_CONFIG
     from tandem.models import hybrid as hybrid_module
     from tandem.models.hybrid import HybridConfig, HybridModel
@@ -48,18 +50,25 @@ def test_a_prefill_chunk_gives_every_attention_layer_one_additive_mask(monkeypat
                   layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)
     model = HybridModel(HybridConfig.from_dict(config),
                         {k.removeprefix("model."): v for k, v in _weights(config).items()})
-    masks = []
+    masks, causal = [], []
     sdpa = hybrid_module.F.scaled_dot_product_attention
 
-    def spy(*args, attn_mask=None, **kw):
+    def spy(q, k, v, *args, attn_mask=None, is_causal=False, **kw):
         masks.append(attn_mask)
-        return sdpa(*args, attn_mask=attn_mask, **kw)
+        causal.append(is_causal)
+        out = sdpa(q, k, v, *args, attn_mask=attn_mask, is_causal=is_causal, **kw)
+        if is_causal:
+            n = q.shape[-2]
+            explicit = torch.full((n, n), float("-inf")).triu(1)
+            assert torch.equal(out, sdpa(q, k, v, *args, attn_mask=explicit, **kw))
+        return out
 
     monkeypatch.setattr(hybrid_module.F, "scaled_dot_product_attention", spy)
     Engine(model, window=256, prefix_chunk=CHUNK).prefill(list(range(100)))
     assert len(masks) == 4  # two layers, a chunk of 64 then one of 36
-    assert masks[0] is masks[1] and masks[2] is masks[3]
-    for mask, (start, n) in zip(masks[::2], [(0, 64), (64, 36)]):
-        want = torch.zeros(n, start + n)
-        want[:, start:] = torch.full((n, n), float("-inf")).triu(1)
-        assert mask.dtype == model.dtype and torch.equal(mask, want)
+    assert masks[:2] == [None, None] and causal == [True, True, False, False]
+    assert masks[2] is masks[3]
+    start, n = 64, 36
+    want = torch.zeros(n, start + n)
+    want[:, start:] = torch.full((n, n), float("-inf")).triu(1)
+    assert masks[2].dtype == model.dtype and torch.equal(masks[2], want)
