@@ -496,10 +496,13 @@ class HybridModel:
                 raise ValueError(f"decode forwards one token, not {token_ids.shape[0]}")
             return self.forward_batch([state], [int(token_ids[0])], [start],
                                       rope_offsets=[rope_offset] if rope_offset else None)[0]
+        # The rows the head reads: every one for on_logits, the last for the logits, none for
+        # a chunk before the last (the head reads the whole vocab matrix)
+        keep = token_ids.shape[0] if on_logits is not None else 1 if logits else 0
         x = self._layers(state, token_ids, start, "prefill", None, image_rows=image_rows,
-                         rope_positions=rope_positions, rope_offset=rope_offset)
-        if not logits and on_logits is None:
-            return None  # a prefill chunk before the last: the head reads the whole vocab matrix
+                         rope_positions=rope_positions, rope_offset=rope_offset, keep=keep)
+        if keep == 0:
+            return None
         eps = self.config.rms_norm_eps
         if on_logits is not None:
             # Every position but the last, a slice at a time: a chunk's logits whole are
@@ -542,9 +545,23 @@ class HybridModel:
                 steps: dict[str, list[torch.Tensor]] | None,
                 image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                 rope_positions: torch.Tensor | None = None,
-                rope_offset: int = 0) -> torch.Tensor:
+                rope_offset: int = 0, keep: int | None = None) -> torch.Tensor:
+        """The last layer's output rows: all of them (``keep`` None), or the last ``keep``: 1,
+        every row, or 0 (an empty tensor). The rows and sections every layer writes are the same
+        either way; what ``keep`` skips is the last layer's work that feeds only its output
+        (its attention's queries and out projection, a GDN's out projection, its MLP) for the
+        rows the head does not read: an eighth of a chunk's matmuls on tiny, as llama.cpp
+        prunes its last layer to the rows it outputs. With a ``keep``, the last row's output
+        is computed apart, by the same calls at 1 row as for ``keep`` 1, so that a prefill
+        that scores every row (prompt logprobs) gives its last row the bits of one that does
+        not."""
         c = self.config
         num_tokens = token_ids.shape[0]
+        if keep is not None and keep not in (0, 1, num_tokens):
+            raise ValueError(f"keep is 0, 1 or every row, not {keep} of {num_tokens}")
+        parts = (None if keep is None else [] if keep == 0 else
+                 [(num_tokens - 1, num_tokens)] if keep == 1 or num_tokens == 1 else
+                 [(0, num_tokens - 1), (num_tokens - 1, num_tokens)])
         token_ids = token_ids.to(self.device)  # the engine's ids are the host's
         x = self.embed(token_ids, image_rows)
         if rope_positions is not None:
@@ -558,17 +575,26 @@ class HybridModel:
         # blocks above the diagonal (1.6 against 2.4 ms a layer at 1k rows on tiny, the same
         # bits as the mask on every shape tried); later chunks see every key before them.
         mask = self._causal_mask(start, num_tokens) if num_tokens > 1 and start > 0 else None
+        last = len(c.layer_types) - 1
         for i, kind in enumerate(c.layer_types):
             p = f"layers.{i}."
+            rows = parts if i == last else None
             h = rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_norm_eps)
             if kind == "linear_attention":
-                h = self._gdn(i, h, state, mode, steps)
+                h = self._gdn(i, h, state, mode, steps, parts=rows)
             else:
-                h = self._attention(i, h, state, start, cos, sin, mask)
-            x = x + h
-            h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            x = x + (self._moe(i, h) if c.is_moe_layer(i) else self._mlp(p + "mlp.", h))
+                h = self._attention(i, h, state, start, cos, sin, mask, parts=rows)
+            if rows is not None:  # the last layer, its output rows a part at a time
+                outs = [self._residual_mlp(i, x[a:b] + hp) for (a, b), hp in zip(rows, h)]
+                return torch.cat(outs) if len(outs) > 1 else outs[0] if outs else x[:0]
+            x = self._residual_mlp(i, x + h)
         return x
+
+    def _residual_mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x plus layer i's MLP (or MoE block) of its post-attention norm."""
+        c, p = self.config, f"layers.{i}."
+        h = rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+        return x + (self._moe(i, h) if c.is_moe_layer(i) else self._mlp(p + "mlp.", h))
 
     def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
         w = self.w
@@ -585,7 +611,11 @@ class HybridModel:
                 c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
 
     def _gdn(self, i: int, h: torch.Tensor, state: ModelState, mode: str,
-             steps: dict[str, list[torch.Tensor]] | None) -> torch.Tensor:
+             steps: dict[str, list[torch.Tensor]] | None,
+             parts: list[tuple[int, int]] | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """The layer's output rows, or where ``parts`` are given (_layers) those of each row
+        range [a, b), one out projection each; the state and the conv tail advance over every
+        row."""
         c, w, p, slot, hk, hv, dk, dv = self._gdn_dims(i)
         n = h.shape[0]
         if c.model_type == "qwen3_next":
@@ -608,7 +638,7 @@ class HybridModel:
         if mode == "prefill":
             o = self._gdn_prefill_native(i, mixed, a, b, z, tail, s)
             if o is not None:
-                return F.linear(o, w[p + "out_proj.weight"])
+                return self._out_rows(o, w[p + "out_proj.weight"], parts)
         conv_w = w[p + "conv1d.weight"][:, 0, :]
         if mode == "verify":
             # The tail after each token: the K-1 inputs ending there, from the tail in place
@@ -629,7 +659,15 @@ class HybridModel:
         else:
             o = kernels.chunk_gated_delta_rule(q, k, v, g, beta, s)
         o = gated_rms_norm(o, z, w[p + "norm.weight"], c.rms_norm_eps)
-        return F.linear(o.reshape(n, -1), w[p + "out_proj.weight"])
+        return self._out_rows(o.reshape(n, -1), w[p + "out_proj.weight"], parts)
+
+    @staticmethod
+    def _out_rows(o: torch.Tensor, weight: torch.Tensor,
+                  parts: list[tuple[int, int]] | None) -> torch.Tensor | list[torch.Tensor]:
+        """A mixer's out projection of every row, or of each part's rows (_layers)."""
+        if parts is None:
+            return F.linear(o, weight)
+        return [F.linear(o[a:b], weight) for a, b in parts]
 
     def _gdn_prefill_native(self, i: int, mixed: torch.Tensor, a: torch.Tensor,
                             b: torch.Tensor, z: torch.Tensor, tail: torch.Tensor,
@@ -666,32 +704,56 @@ class HybridModel:
 
     def _attention(self, i: int, h: torch.Tensor, state: ModelState, start: int,
                    cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
+                   mask: torch.Tensor | None,
+                   parts: list[tuple[int, int]] | None = None
+                   ) -> torch.Tensor | list[torch.Tensor]:
+        """The layer's output rows, or where ``parts`` are given (_layers) those of each row
+        range [a, b): its queries alone are formed and attend; every row's key and value are
+        written."""
         c, w, p = self.config, self.w, f"layers.{i}.self_attn."
         slot = self._slot[i]
         n, hd = h.shape[0], c.head_dim
         nh, nkv = c.num_attention_heads, c.num_key_value_heads
-        qg = F.linear(h, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(n, nh, 2 * hd)
-        q, gate = torch.chunk(qg, 2, dim=-1)
-        gate = gate.reshape(n, nh * hd)
-        q = rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps)
+        rd = c.rotary_dim
         k = rms_norm(F.linear(h, w[p + "k_proj.weight"], w.get(p + "k_proj.bias"))
                      .view(n, nkv, hd), w[p + "k_norm.weight"], c.rms_norm_eps)
         v = F.linear(h, w[p + "v_proj.weight"], w.get(p + "v_proj.bias")).view(n, nkv, hd)
-        rd = c.rotary_dim
         cs, sn = cos[:, None, :], sin[:, None, :]
-        q = torch.cat([q[..., :rd] * cs + rotate_half(q[..., :rd]) * sn, q[..., rd:]], dim=-1)
         k = torch.cat([k[..., :rd] * cs + rotate_half(k[..., :rd]) * sn, k[..., rd:]], dim=-1)
         kbuf, vbuf = state.views["K"].tensor[slot], state.views["V"].tensor[slot]
         end = start + n
         kbuf[:, start:end] = k.transpose(0, 1)
         vbuf[:, start:end] = v.transpose(0, 1)
+        if parts is not None:
+            # Each part's queries: the last row alone sees every key (no mask); the rows
+            # before it are causal from row 0 (rows [0, n-1) of the mask, or is_causal's
+            # top-left triangle where the chunk starts the sequence).
+            return [self._attend(i, h[a:b], cs[a:b], sn[a:b], kbuf, vbuf, end,
+                                 None if b == n or mask is None else mask[a:b],
+                                 causal=b < n and mask is None)
+                    for a, b in parts]
+        return self._attend(i, h, cs, sn, kbuf, vbuf, end, mask,
+                            causal=mask is None and n > 1)
+
+    def _attend(self, i: int, h: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor,
+                kbuf: torch.Tensor, vbuf: torch.Tensor, end: int, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        """Rows h's queries (their rotation cs, sn) over the keys [0, end) in place, gated, out
+        projected."""
+        c, w, p = self.config, self.w, f"layers.{i}.self_attn."
+        n, hd = h.shape[0], c.head_dim
+        nh, rd = c.num_attention_heads, c.rotary_dim
+        qg = F.linear(h, w[p + "q_proj.weight"], w.get(p + "q_proj.bias")).view(n, nh, 2 * hd)
+        q, gate = torch.chunk(qg, 2, dim=-1)
+        gate = gate.reshape(n, nh * hd)
+        q = rms_norm(q, w[p + "q_norm.weight"], c.rms_norm_eps)
+        q = torch.cat([q[..., :rd] * cs + rotate_half(q[..., :rd]) * sn, q[..., rd:]], dim=-1)
         # Chunk k attends over keys [0, end): the same shapes whether the rows below start were
         # computed now or restored from a cache. A decode token sees every key: no mask; a
         # first chunk of several rows is causal (no mask either, _layers).
         keys, values = kbuf[:, :end], vbuf[:, :end]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
-                                             attn_mask=mask, is_causal=mask is None and n > 1,
+                                             attn_mask=mask, is_causal=causal,
                                              scale=hd ** -0.5, enable_gqa=True)
         out = out[0].transpose(0, 1).reshape(n, nh * hd)
         out = out * torch.sigmoid(gate)

@@ -46,8 +46,11 @@ def test_a_prefill_chunk_gives_every_attention_layer_one_additive_mask(monkeypat
     from tandem.models.hybrid import HybridConfig, HybridModel
     from tandem.models.tiny import _weights
 
-    config = dict(SMALL_CONFIG, num_hidden_layers=8,
-                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2)
+    # a GDN layer last: the last layer's queries are the head's rows alone (HybridModel._layers'
+    # keep), its attention no chunk's whole
+    config = dict(SMALL_CONFIG, num_hidden_layers=9,
+                  layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2
+                  + ["linear_attention"])
     model = HybridModel(HybridConfig.from_dict(config),
                         {k.removeprefix("model."): v for k, v in _weights(config).items()})
     masks, causal = [], []
@@ -72,3 +75,36 @@ def test_a_prefill_chunk_gives_every_attention_layer_one_additive_mask(monkeypat
     want = torch.zeros(n, start + n)
     want[:, start:] = torch.full((n, n), float("-inf")).triu(1)
     assert masks[2].dtype == model.dtype and torch.equal(masks[2], want)
+
+
+def test_the_rows_a_chunk_writes_do_not_depend_on_the_rows_its_head_reads(hybrid):
+    """Gate: torch.equal. The last layer's work that only its output reads (its queries, out
+    projection and MLP) runs for the rows the head reads: none before the last chunk, the
+    last row, or every row for prompt logprobs. Every section and key/value row the chunks
+    write is the same bits whichever, and so are the last row's logits with or without the
+    other rows' (the small hybrid: decay near 0.98, its last layer attention)."""
+    prompt = torch.randint(0, hybrid.vocab_size, (2 * CHUNK + 9,),
+                           generator=torch.Generator().manual_seed(8))
+    runs = {}
+    for read in ("none", "last", "every"):
+        engine = Engine(hybrid, window=256, prefix_chunk=CHUNK)
+        rows = []
+        for a in range(0, len(prompt), CHUNK):
+            chunk = prompt[a:a + CHUNK]
+            with torch.inference_mode():
+                if read == "every":
+                    out = hybrid.forward(engine.state, chunk, a,
+                                         on_logits=lambda first, r: rows.append(r))
+                else:
+                    out = hybrid.forward(engine.state, chunk, a, logits=read == "last")
+        runs[read] = (engine.state, out, rows)
+    none, last, every = runs["none"], runs["last"], runs["every"]
+    assert none[1] is None and last[1] is not None and len(every[2]) == 3
+    assert torch.equal(last[1], every[1])
+    for other in (last, every):
+        for name, t in none[0].sections.items():
+            assert torch.equal(t, other[0].sections[name]), name
+        for name, v in none[0].views.items():
+            assert torch.equal(v.tensor, other[0].views[name].tensor), name
+    # the prompt-logprob rows are the model's next-token logits there, not the last row's again
+    assert not torch.equal(every[2][-1][-1], every[1])
