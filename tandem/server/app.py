@@ -71,7 +71,7 @@ from tandem.server.keys import (
 )
 from tandem.server.memory_routes import add_memory, add_memory_routes
 from tandem.server.metrics import CONTENT_TYPE, Metrics
-from tandem.server.openai_routes import add_openai_routes, template_report
+from tandem.server.openai_routes import add_openai_routes, template_report, warm_chat_prompt
 from tandem.server.peek_routes import add_peek_routes
 from tandem.server.sessions import load_secret
 from tandem.server.state import STATE, SamplingDefaults, ServerState
@@ -375,6 +375,10 @@ async def _system(app: web.Application) -> AsyncIterator[None]:
             await state.engine.ask(ReadSpill(), DRAIN_TIMEOUT_S, sender="server")
         except (ActorStopped, TimeoutError) as exc:
             log.warning("spill_read_unfinished", error=type(exc).__name__)
+    try:
+        await asyncio.to_thread(warm_chat_prompt, state)
+    except Exception as exc:  # a template that cannot render: the requests will say why
+        log.warning("chat_warm_up_failed", error=type(exc).__name__)
     writer = app[DISK_WRITER]
     if writer is not None:
         # The tier's events reach the journal from the loop (they happen on other threads).

@@ -170,6 +170,7 @@ async def test_a_prompt_whose_bytes_cannot_fit_is_refused_without_tokenising(
     monkeypatch.setattr(tokenizer, "encode_text", lambda *a, **k: calls.append(a) or [])
     app, engine = scripted(small_loaded, make_config(window=64, max_body_bytes=1 << 20))
     async with serve(app) as server:
+        calls.clear()  # the start's chat warm-up (app._system) encodes its own two messages
         status, _, doc = await post(server, route, json=body)
     assert status == 400
     assert_openai_error(doc, code="context_length_exceeded")
