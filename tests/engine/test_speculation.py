@@ -96,6 +96,41 @@ def test_without_drafts_the_state_is_the_plain_runs_bit_for_bit(model):
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
+def test_drafting_rests_after_rejected_blocks_and_comes_back_after_an_accepted_one(model):
+    """Gate: the same greedy tokens. A block whose every draft is rejected costs more than the
+    step it replaces, so drafting rests 1, 2, 4, ... tokens after such blocks in a row (engine
+    DRAFT_REST_MAX), and an accepted draft ends the rest."""
+    prompt = fresh(40, 5)
+    _, ref = plain(model, prompt, max_tokens=40)
+    asked = []
+
+    def bad(k):  # never the model's token: every block rejected
+        return [(ref.token_ids[0] + 1 + i) % 200 for i in range(k)]
+
+    def wrong(context, k):
+        asked.append(len(context))
+        return bad(k)
+
+    engine = Engine(model, window=WINDOW, prefix_chunk=CHUNK)
+    result = engine.generate(prompt, SamplingParams(max_tokens=40), draft=wrong, draft_max=4)
+    assert result.token_ids == ref.token_ids and result.accepted == 0
+    # asked at output lengths 0, 2, 5, 10, 19, 36 (rests of 1, 2, 4, 8, 16 between)
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert gaps == [2, 3, 5, 9, 17][:len(gaps)] and len(asked) == 6
+    right = echo_drafter(prompt, ref.token_ids)
+    asked.clear()
+
+    def once_wrong(context, k):  # wrong at the first block, right after
+        asked.append(len(context))
+        return bad(k) if len(asked) == 1 else right(context, k)
+
+    engine = Engine(model, window=WINDOW, prefix_chunk=CHUNK)
+    result = engine.generate(prompt, SamplingParams(max_tokens=40), draft=once_wrong,
+                             draft_max=4)
+    assert result.token_ids == ref.token_ids and result.accepted > 20
+    assert asked[1] - asked[0] == 2  # one token's rest, then drafting again
+
+
 def test_the_same_verify_blocks_write_the_same_bits(model):
     prompt = repetitive(50)
     runs = []
