@@ -38,8 +38,8 @@ class ContextOverflow(ModelError):
 
 
 # The shortest draft a verify block asks for, and where the draft length starts and falls back
-# to after a rejection: on a CPU a block of up to 5 positions costs one decode step (the head is
-# streamed once), so a wrong draft of 4 costs nothing; 9 positions cost about two.
+# to after a rejection: a block of up to 5 positions streams the head once, as a step does (on
+# torch's decode path it cost one step; against the native step it costs more, DRAFT_REST_MAX).
 DRAFT_FLOOR = 4
 # A block whose every draft was rejected costs more than the decode step it stands for (decode's
 # step is one native call, a verify block runs the model's torch path): after one, drafting
