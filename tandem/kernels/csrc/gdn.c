@@ -114,12 +114,20 @@ static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 /* decay = exp(-exp(A_log) * softplus(a + dt_bias)) (neg_A = -exp(A_log)), beta = sigmoid(b) */
-static inline void gates(const float *a, const float *b, const float *neg_A, const float *dt_bias,
-                         long hv, float *decay, float *beta) {
+/* the log decay -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b) of a row's heads
+   (a prefill's delta rule sums the logs; decode takes their exp, gates) */
+static inline void log_gates(const float *a, const float *b, const float *neg_A,
+                             const float *dt_bias, long hv, float *log_decay, float *beta) {
   for (long h = 0; h < hv; h++) {
-    decay[h] = expf(neg_A[h] * softplusf(a[h] + dt_bias[h]));
+    log_decay[h] = neg_A[h] * softplusf(a[h] + dt_bias[h]);
     beta[h] = sigmoidf(b[h]);
   }
+}
+
+static inline void gates(const float *a, const float *b, const float *neg_A, const float *dt_bias,
+                         long hv, float *decay, float *beta) {
+  log_gates(a, b, neg_A, dt_bias, hv, decay, beta);
+  for (long h = 0; h < hv; h++) decay[h] = expf(decay[h]);
 }
 
 #define JB 8  /* vectors of a state row's columns carried at once: 128 floats */
@@ -475,11 +483,7 @@ int tandem_gdn_prefill_f32(const struct gdn_layer *L, long T, const float *mixed
       float *yt = y + t * C;
       conv_seq_row(mixed, ld_mixed, t, tailT, wT, C, K, yt);
       for (long h = 0; h < 2 * hk; h++) l2norm_head(yt + h * dk, dk, L->l2_eps, L->q_scale, h < hk);
-      const float *at = a + t * ld_a, *bt_in = b + t * ld_b;
-      for (long h = 0; h < hv; h++) {
-        gl[t * hv + h] = L->neg_A[h] * softplusf(at[h] + L->dt_bias[h]);
-        bt[t * hv + h] = sigmoidf(bt_in[h]);
-      }
+      log_gates(a + t * ld_a, b + t * ld_b, L->neg_A, L->dt_bias, hv, gl + t * hv, bt + t * hv);
     }
     #pragma omp for schedule(static)
     for (long h = 0; h < hv; h++) {
