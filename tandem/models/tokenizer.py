@@ -245,10 +245,11 @@ class _TiktokenBackend:
         self._markup = frozenset(specials) - frozenset(control)
         self._enc = tiktoken.Encoding("tandem", pat_str=pat_str, mergeable_ranks=ranks,
                                       special_tokens=specials)
+        # The Encoding keeps the ranks dict only to pickle itself (tiktoken 0.14's core.py; its
+        # Rust CoreBPE holds its own copy). Nothing here pickles a tokenizer, and the dict is
+        # 34 MiB of Python objects at Qwen's 248k ranks: let it go.
+        self._enc._mergeable_ranks = {}
         self._nfc = nfc
-        self._bytes: dict[int, bytes] = {i: b for b, i in ranks.items()}
-        self._bytes.update({i: s.encode() for s, i in specials.items()})
-
     @property
     def n_vocab(self) -> int:
         return self._enc.n_vocab
@@ -269,14 +270,23 @@ class _TiktokenBackend:
                                 disallowed_special=())
 
     def decode(self, ids: list[int]) -> str:
-        get = self._bytes.get
-        return b"".join(get(i, b"") for i in ids).decode("utf-8", errors="replace")
+        try:  # one call into tiktoken's own id -> bytes table (no copy of it here)
+            data = self._enc.decode_bytes(ids)
+        except (KeyError, OverflowError, TypeError, ValueError):  # an id with no token
+            data = b"".join(self.token_bytes(i) for i in ids)
+        return data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes | None:
-        return self._bytes.get(token_id, b"")
+        return self._token_bytes(token_id) or b""
+
+    def _token_bytes(self, token_id: int) -> bytes | None:
+        try:
+            return self._enc.decode_single_token_bytes(token_id)
+        except (KeyError, OverflowError, TypeError, ValueError):
+            return None
 
     def piece(self, token_id: int) -> str | None:
-        data = self._bytes.get(token_id)
+        data = self._token_bytes(token_id)
         return None if data is None else data.decode("utf-8", errors="backslashreplace")
 
 

@@ -81,6 +81,28 @@ def test_id_to_piece_shows_text_and_escapes_partial_bytes(qwen):
 
 def test_ids_outside_the_vocabulary_decode_to_nothing(qwen):
     assert qwen.decode([qwen.vocab_size + 10, *qwen.encode("ok")]) == "ok"
+    assert qwen.decode([-3, 2**40, *qwen.encode("ok")]) == "ok"
+    for bad in (-1, qwen.vocab_size + 10, 2**40):
+        assert qwen.token_bytes(bad) == b""
+
+
+def test_token_bytes_come_from_tiktokens_table_and_the_rank_dict_is_let_go(qwen, qwen_dir):
+    """The bytes of every id are the file's (a special's its text), and the tokenizer keeps no
+    Python copy of the 248k ranks (34 MiB): tiktoken's Rust table is the only one."""
+    import base64
+    ranks = {}
+    for line in (qwen_dir / "tokenizer.tiktoken").read_bytes().splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[int(rank)] = base64.b64decode(token)
+    picked = random.Random(5).sample(sorted(ranks), 2000)
+    assert [qwen.token_bytes(i) for i in picked] == [ranks[i] for i in picked]
+    for text, i in qwen.special_ids.items():
+        assert qwen.token_bytes(i) == text.encode()
+    assert qwen.decode(picked) == b"".join(ranks[i] for i in picked).decode("utf-8", "replace")
+    backend = qwen._backend
+    assert not backend._enc._mergeable_ranks
+    assert not [v for v in vars(backend).values() if isinstance(v, dict) and len(v) > 1000]
 
 
 def check_stream(tok: Tokenizer, ids: list[int]) -> list[str]:
