@@ -152,7 +152,11 @@ async def test_two_sessions_and_guests_alternating_hard_keep_every_tier_sound():
                 await harness.ask(name, GetTierStats())
             harness["engine"].snapshot()
             asked += 1
-            await asyncio.sleep(0)
+            # A breath between rounds: a loop that never lets go of the GIL makes the engine
+            # thread wait out the switch interval (5 ms) after each torch op it runs, and the
+            # test model's token-by-token recurrence is thousands of them (on a two-core Xeon
+            # the first turn alone took over 20 s). Still hundreds of asks a second.
+            await asyncio.sleep(0.001)
 
     outs = []
     async with harness:
