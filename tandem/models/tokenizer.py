@@ -250,6 +250,7 @@ class _TiktokenBackend:
         # 34 MiB of Python objects at Qwen's 248k ranks: let it go.
         self._enc._mergeable_ranks = {}
         self._nfc = nfc
+
     @property
     def n_vocab(self) -> int:
         return self._enc.n_vocab
