@@ -160,7 +160,7 @@ def test_the_forwards_buffers_are_made_on_the_models_device(tiny_dir):
     model = _on_meta(tiny_dir)
     cos, sin = model._rope(5, 7)
     assert cos.device.type == "meta" and sin.device.type == "meta"
-    assert model._causal_mask(32, 8).device.type == "meta"
+    assert model._causal_mask(32, 8).line.device.type == "meta"
     cos, _ = model._mrope(torch.zeros(3, 4, dtype=torch.long))  # the host's positions
     assert cos.device.type == "meta"
     x = model.embed(torch.tensor([1, 2, 3]))  # the engine's ids come from the host

@@ -41,6 +41,28 @@ log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
+class ChunkMask:
+    """The causal mask of a chunk of ``n`` rows at ``start`` over the keys [0, end), end =
+    start + n, held as one diagonal: a row of the mask is the row below it moved one key to
+    the right, so a row range read in reverse is a view of a single line of n + end - 1
+    values with strides (1, 1), 0 up to key start + n - 1 and -inf from there. A chunk at
+    16k keys held 1,024 x 16k floats (64 MiB) as a whole mask; this line is 68 KiB. SDPA's
+    CPU kernel reads the view as it is, and the queries run in reverse order beside it
+    (``flipped``; ``_attend`` turns its output back): every row gets the bits of the whole
+    mask (tests/engine/test_engine_prefill.py)."""
+
+    line: torch.Tensor
+    n: int
+    end: int
+
+    def flipped(self, a: int, b: int) -> torch.Tensor:
+        """The mask of the chunk's rows [a, b) last row first, [b - a, end]: row r is chunk row
+        b - 1 - r, which sees keys up to start + b - 1 - r, i.e. those whose key index plus
+        r plus n - b lies under start + n."""
+        return self.line.as_strided((b - a, self.end), (1, 1), self.n - b)
+
+
+@dataclass(frozen=True)
 class HybridConfig:
     model_type: str
     vocab_size: int
@@ -416,9 +438,10 @@ class HybridModel:
         # at 65, the MLP at 42, under this bound's 162.
         per_token = 4 * (8 * c.hidden_size + 3 * inter + 3 * c.conv_dim + 2 * c.value_dim
                          + 2 * c.num_experts_per_tok * c.hidden_size)
-        # SDPA never holds a chunk's scores (its CPU flash kernel and CUDA's work in blocks), but
-        # the chunk's mask against every key so far is held twice: as bool and in the dtype.
-        per_context = (1 + el) * prefix_chunk
+        # SDPA never holds a chunk's scores (its CPU flash kernel and CUDA's work in blocks), and
+        # the chunk's mask is one line, a value a key (ChunkMask). CUDA's kernels copy the
+        # mask whole, a layer at a time: a chunk's row of it a key.
+        per_context = el * (prefix_chunk if self.device.type == "cuda" else 1)
         # Prompt logprobs: a slice of logits and its log-softmax, fp32.
         floor = (32 << 20) + 2 * LOGITS_SLICE * c.vocab_size * 4
         return Cost(state_nbytes=state, row_nbytes=row, workspace_floor_nbytes=floor,
@@ -691,20 +714,19 @@ class HybridModel:
         o = torch.empty(n, hv * dv, dtype=torch.float32)
         return o if layer.prefill(o, mixed, a, b, z2, tail, s) else None
 
-    def _causal_mask(self, start: int, num_tokens: int) -> torch.Tensor:
+    def _causal_mask(self, start: int, num_tokens: int) -> ChunkMask:
         """The additive mask of a chunk at ``start`` over keys [0, start + num_tokens): 0 where a
-        query sees a key, -inf past its own position. One a forward, for every attention layer:
-        SDPA turns a boolean mask into this in each call (35 ms a layer at 16k keys on tiny),
-        and the two give the same bits."""
+        query sees a key, -inf past its own position, as one line (ChunkMask). One a forward,
+        for every attention layer: SDPA turns a boolean mask into an additive one in each call
+        (35 ms a layer at 16k keys on tiny)."""
         end = start + num_tokens
-        mask = torch.zeros(num_tokens, end, dtype=self.dtype, device=self.device)
-        mask[:, start:] = torch.full((num_tokens, num_tokens), float("-inf"),
-                                     dtype=self.dtype, device=self.device).triu(1)
-        return mask
+        line = torch.zeros(num_tokens + end - 1, dtype=self.dtype, device=self.device)
+        line[end:] = float("-inf")
+        return ChunkMask(line, num_tokens, end)
 
     def _attention(self, i: int, h: torch.Tensor, state: ModelState, start: int,
                    cos: torch.Tensor, sin: torch.Tensor,
-                   mask: torch.Tensor | None,
+                   mask: ChunkMask | None,
                    parts: list[tuple[int, int]] | None = None
                    ) -> torch.Tensor | list[torch.Tensor]:
         """The layer's output rows, or where ``parts`` are given (_layers) those of each row
@@ -729,17 +751,19 @@ class HybridModel:
             # before it are causal from row 0 (rows [0, n-1) of the mask, or is_causal's
             # top-left triangle where the chunk starts the sequence).
             return [self._attend(i, h[a:b], cs[a:b], sn[a:b], kbuf, vbuf, end,
-                                 None if b == n or mask is None else mask[a:b],
+                                 None if b == n or mask is None else mask.flipped(a, b),
                                  causal=b < n and mask is None)
                     for a, b in parts]
-        return self._attend(i, h, cs, sn, kbuf, vbuf, end, mask,
+        return self._attend(i, h, cs, sn, kbuf, vbuf, end,
+                            None if mask is None else mask.flipped(0, n),
                             causal=mask is None and n > 1)
 
     def _attend(self, i: int, h: torch.Tensor, cs: torch.Tensor, sn: torch.Tensor,
                 kbuf: torch.Tensor, vbuf: torch.Tensor, end: int, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
         """Rows h's queries (their rotation cs, sn) over the keys [0, end) in place, gated, out
-        projected."""
+        projected. A ``mask`` is a ChunkMask's ``flipped`` view: the queries attend last row
+        first beside it."""
         c, w, p = self.config, self.w, f"layers.{i}.self_attn."
         n, hd = h.shape[0], c.head_dim
         nh, rd = c.num_attention_heads, c.rotary_dim
@@ -752,10 +776,13 @@ class HybridModel:
         # computed now or restored from a cache. A decode token sees every key: no mask; a
         # first chunk of several rows is causal (no mask either, _layers).
         keys, values = kbuf[:, :end], vbuf[:, :end]
+        if mask is not None:
+            q = q.flip(0)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None], values[None],
                                              attn_mask=mask, is_causal=causal,
                                              scale=hd ** -0.5, enable_gqa=True)
-        out = out[0].transpose(0, 1).reshape(n, nh * hd)
+        out = out[0].transpose(0, 1)
+        out = (out.flip(0) if mask is not None else out).reshape(n, nh * hd)
         out = out * torch.sigmoid(gate)
         return F.linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 

@@ -36,11 +36,15 @@ def test_the_hybrid_returns_no_logits_when_asked_for_none(hybrid):
     assert hybrid.forward(engine.state, torch.arange(10), 0, logits=False) is None
 
 
-def test_a_prefill_chunk_gives_every_attention_layer_one_additive_mask(monkeypatch):
-    # SDPA converts a boolean mask to this additive one in every call (about 35 ms a layer at
-    # 16k keys on tiny): the forward builds it once, for both attention layers here. A first
-    # chunk sees only its own keys: SDPA's is_causal, no mask, and the mask's very bits
-    # (checked here by running each such call with the mask too).
+def test_a_prefill_chunk_gives_every_attention_layer_one_mask_line_and_the_whole_masks_bits(
+        monkeypatch):
+    # SDPA converts a boolean mask to an additive one in every call (about 35 ms a layer at
+    # 16k keys on tiny): the forward builds its mask once, for both attention layers here, as
+    # one line of n + end - 1 values that the queries, in reverse, read with strides (1, 1)
+    # (hybrid.ChunkMask; a whole mask was 64 MiB at 16k keys). Gate: torch.equal: every such
+    # call gives the bits of the whole additive mask over the queries in order. A first chunk
+    # sees only its own keys: SDPA's is_causal, no mask, and the mask's very bits (checked
+    # here by running each such call with the mask too).
     from small_hybrid import SMALL_CONFIG
     from tandem.models import hybrid as hybrid_module
     from tandem.models.hybrid import HybridConfig, HybridModel
@@ -60,21 +64,32 @@ def test_a_prefill_chunk_gives_every_attention_layer_one_additive_mask(monkeypat
         masks.append(attn_mask)
         causal.append(is_causal)
         out = sdpa(q, k, v, *args, attn_mask=attn_mask, is_causal=is_causal, **kw)
+        n, end = q.shape[-2], k.shape[-2]
         if is_causal:
-            n = q.shape[-2]
             explicit = torch.full((n, n), float("-inf")).triu(1)
             assert torch.equal(out, sdpa(q, k, v, *args, attn_mask=explicit, **kw))
+        if attn_mask is not None:
+            start = end - n
+            whole = torch.zeros(n, end)
+            whole[:, start:] = torch.full((n, n), float("-inf")).triu(1)
+            assert torch.equal(attn_mask, whole.flip(0))
+            in_order = sdpa(q.flip(-2), k, v, *args, attn_mask=whole, **kw)
+            assert torch.equal(out.flip(-2), in_order)
         return out
 
     monkeypatch.setattr(hybrid_module.F, "scaled_dot_product_attention", spy)
-    Engine(model, window=256, prefix_chunk=CHUNK).prefill(list(range(100)))
-    assert len(masks) == 4  # two layers, a chunk of 64 then one of 36
-    assert masks[:2] == [None, None] and causal == [True, True, False, False]
-    assert masks[2] is masks[3]
-    start, n = 64, 36
-    want = torch.zeros(n, start + n)
-    want[:, start:] = torch.full((n, n), float("-inf")).triu(1)
-    assert masks[2].dtype == model.dtype and torch.equal(masks[2], want)
+    for length in (100, 64 + 64 + 37):  # chunks of 64 then 36; of 64, 64 then 37
+        masks.clear(), causal.clear()
+        Engine(model, window=256, prefix_chunk=CHUNK).prefill(list(range(length)))
+        later = len(masks) - 2
+        assert masks[:2] == [None, None] and causal == [True, True] + [False] * later
+        for a, b in zip(masks[2::2], masks[3::2]):  # the two layers of a chunk share one line
+            assert a.stride() == (1, 1) and a.untyped_storage().data_ptr() \
+                == b.untyped_storage().data_ptr()
+            n, end = a.shape
+            assert a.untyped_storage().nbytes() == (n + end - 1) * a.element_size()
+        assert [tuple(m.shape) for m in masks[2:]] == (
+            [(36, 100)] * 2 if length == 100 else [(64, 128)] * 2 + [(37, 165)] * 2)
 
 
 def test_the_rows_a_chunk_writes_do_not_depend_on_the_rows_its_head_reads(hybrid):
