@@ -15,15 +15,17 @@ drew, bit for bit, and so is its text.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import structlog
 import torch
-from safetensors.torch import save_file
 
 TINY_NAME = "tiny"
 TINY_VERSION = 2  # bump when the recipe changes: the folder name carries it (2: the tower)
@@ -100,60 +102,124 @@ log = structlog.get_logger()
 
 def _weights(config: dict) -> dict[str, torch.Tensor]:
     """Every tensor drawn in name order from one seeded generator."""
+    return dict(_draw(config))
+
+
+def _text_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """The language model's tensors' shapes by their unprefixed names."""
     from tandem.models.hybrid import HybridConfig, HybridModel
 
     cfg = HybridConfig.from_dict(config)
-    shapes = HybridModel._expected_shapes(type("S", (), {"config": cfg})())
+    return HybridModel._expected_shapes(type("S", (), {"config": cfg})())
+
+
+def _text_name(name: str) -> str:
+    return name if name == "lm_head.weight" else "model." + name
+
+
+def _draw(config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors, one at a time, in the order the generator draws them
+    (name order), each scaled in place: one tensor held at a time, the largest (the embedding,
+    254 MB on tiny) once."""
+    shapes = _text_shapes(config)
     gen = torch.Generator().manual_seed(TINY_SEED)
-    out = {}
     for name in sorted(shapes):
         shape = shapes[name]
         if name.endswith("A_log"):
-            out[name] = torch.log(torch.rand(shape, generator=gen) * 8 + 0.5)
+            t = torch.log(torch.rand(shape, generator=gen) * 8 + 0.5)
         elif name.endswith("dt_bias"):
-            out[name] = torch.randn(shape, generator=gen) * 0.5
+            t = torch.randn(shape, generator=gen) * 0.5
         elif name.endswith("linear_attn.norm.weight"):
-            out[name] = 1.0 + torch.randn(shape, generator=gen) * 0.1
+            t = 1.0 + torch.randn(shape, generator=gen) * 0.1
         elif name == "norm.weight":
             # Embeddings are tied and small (below), so the final norm's gain sets the logits'
             # spread: about 5 standard deviations.
-            out[name] = 4.0 + torch.randn(shape, generator=gen) * 0.1
+            t = 4.0 + torch.randn(shape, generator=gen) * 0.1
         elif len(shape) == 1:  # zero-centred RMSNorm weights: x_hat * (1 + w)
-            out[name] = torch.randn(shape, generator=gen) * 0.1
+            t = torch.randn(shape, generator=gen) * 0.1
         else:
             fan_in = shape[-1]
             # A tied embedding as large as the layers' outputs makes greedy decoding repeat its
             # input token forever; at 0.05 the context decides.
             scale = 0.05 if name == "embed_tokens.weight" else fan_in ** -0.5
-            out[name] = torch.randn(shape, generator=gen) * scale
-    return {("lm_head.weight" if k == "lm_head.weight" else "model." + k): v for k, v in out.items()}
+            t = torch.randn(shape, generator=gen).mul_(scale)  # x * s's bits, in place
+        yield _text_name(name), t
 
 
 def _vision_weights(vision: dict) -> dict[str, torch.Tensor]:
     """The tower's tensors in name order from a generator of its own (the text's draws stay
     what they were)."""
+    return dict(_draw_vision(vision))
+
+
+def _vision_shapes(vision: dict) -> dict[str, tuple[int, ...]]:
     from tandem.models.vision import VisionConfig
 
-    shapes = VisionConfig.from_dict(vision).expected_shapes()
+    return VisionConfig.from_dict(vision).expected_shapes()
+
+
+def _draw_vision(vision: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    shapes = _vision_shapes(vision)
     gen = torch.Generator().manual_seed(TINY_SEED + 1)
-    out = {}
     for name in sorted(shapes):
         shape = shapes[name]
         if name.endswith("norm1.weight") or name.endswith("norm2.weight") \
                 or name == "merger.norm.weight":
-            out[name] = 1.0 + torch.randn(shape, generator=gen) * 0.1  # LayerNorm gains
+            t = 1.0 + torch.randn(shape, generator=gen) * 0.1  # LayerNorm gains
         elif len(shape) == 1:  # biases
-            out[name] = torch.randn(shape, generator=gen) * 0.02
+            t = torch.randn(shape, generator=gen) * 0.02
         elif name == "pos_embed.weight":
-            out[name] = torch.randn(shape, generator=gen) * 0.1
+            t = torch.randn(shape, generator=gen) * 0.1
         else:
             fan_in = 1
             for d in shape[1:]:
                 fan_in *= d
             # the merger's output sits beside embeddings of 0.05: keep its rows that size
             gain = 0.1 if name == "merger.linear_fc2.weight" else 1.0
-            out[name] = torch.randn(shape, generator=gen) * fan_in ** -0.5 * gain
-    return {"model.visual." + k: v for k, v in out.items()}
+            t = torch.randn(shape, generator=gen) * fan_in ** -0.5 * gain
+        yield "model.visual." + name, t
+
+
+def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]],
+                      tensors: Iterable[tuple[str, torch.Tensor]],
+                      metadata: dict[str, str]) -> None:
+    """A float32 safetensors file written one tensor at a time, in any order ``tensors`` come,
+    each at its place: the layout safetensors' ``save_file`` gives (the header's JSON compact,
+    ``__metadata__`` first, the tensors' data in name order, the header padded with spaces to
+    8 bytes), the same bytes, without holding every tensor and a bytes copy of each at once
+    (``save_file`` peaked at 788 MiB writing tiny; this holds its largest tensor)."""
+    header: dict = {"__metadata__": metadata}
+    offsets, at = {}, 0
+    for name in sorted(shapes):
+        nbytes = 4 * math.prod(shapes[name])
+        header[name] = {"dtype": "F32", "shape": list(shapes[name]),
+                        "data_offsets": [at, at + nbytes]}
+        offsets[name] = at
+        at += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    base = 8 + len(text)
+    written = set()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text)
+        f.truncate(base + at)
+        for name, t in tensors:
+            if name not in offsets or name in written or t.dtype != torch.float32 \
+                    or tuple(t.shape) != tuple(shapes[name]):
+                raise ValueError(f"tensor {name} is not the header's")
+            f.seek(base + offsets[name])
+            f.write(t.contiguous().numpy().data)
+            written.add(name)
+    if written != set(offsets):
+        raise ValueError(f"{len(offsets) - len(written)} tensors of the header never came")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def tiny_dir(models_dir: Path) -> Path:
@@ -172,13 +238,17 @@ def ensure_tiny(models_dir: Path) -> Path:
 
         (tmp / "config.json").write_text(json.dumps(dict(TINY_CONFIG, **TINY_IMAGE_FIELDS),
                                                     indent=2))
-        weights = dict(_weights(TINY_CONFIG), **_vision_weights(TINY_VISION_CONFIG))
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        shapes = {_text_name(k): v for k, v in _text_shapes(TINY_CONFIG).items()}
+        shapes.update({"model.visual." + k: v
+                       for k, v in _vision_shapes(TINY_VISION_CONFIG).items()})
+        write_safetensors(tmp / "model.safetensors", shapes,
+                          itertools.chain(_draw(TINY_CONFIG), _draw_vision(TINY_VISION_CONFIG)),
+                          metadata={"format": "pt"})
         (tmp / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2))
         write_qwen_tokenizer(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": [248046, 248044], "do_sample": False}, indent=2))
-        digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
+        digest = _sha256(tmp / "model.safetensors")
         (tmp / "tandem-tiny.json").write_text(json.dumps(
             {"version": TINY_VERSION, "seed": TINY_SEED, "weights_sha256": digest}, indent=2))
         if final.exists():

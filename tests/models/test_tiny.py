@@ -114,3 +114,32 @@ def test_tiny_reads_images_and_its_language_model_is_the_one_version_1_drew(home
     assert pre.grid == (1, 8, 8) and pre.num_tokens == 16
     rows = images.tower.encode(pre.pixel_values, pre.grid)
     assert rows.shape == (16, TINY_CONFIG["hidden_size"]) and torch.isfinite(rows).all()
+
+
+def test_tiny_is_written_a_tensor_at_a_time_in_save_files_very_bytes(tmp_path):
+    """write_safetensors places each tensor as it comes, in any order, and gives the bytes of
+    safetensors' save_file over the whole dict (which held every tensor and a bytes copy of
+    each: 788 MiB at tiny's first start); a tensor the header does not list, or one that never
+    comes, is an error."""
+    import pytest
+    import torch
+    from safetensors.torch import save_file
+
+    from tandem.models.tiny import write_safetensors
+
+    gen = torch.Generator().manual_seed(5)
+    tensors = {"model.b": torch.randn(3, 5, generator=gen), "lm_head.weight": torch.randn(7),
+               "model.a.weight": torch.randn(2, 2, 2, generator=gen), "z": torch.randn(1)}
+    save_file(tensors, str(tmp_path / "whole.safetensors"), metadata={"format": "pt"})
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    order = ["z", "model.b", "lm_head.weight", "model.a.weight"]  # not the file's order
+    write_safetensors(tmp_path / "streamed.safetensors", shapes,
+                      ((k, tensors[k]) for k in order), metadata={"format": "pt"})
+    assert (tmp_path / "streamed.safetensors").read_bytes() \
+        == (tmp_path / "whole.safetensors").read_bytes()
+    with pytest.raises(ValueError):
+        write_safetensors(tmp_path / "short.safetensors", shapes,
+                          ((k, tensors[k]) for k in order[:3]), metadata={})
+    with pytest.raises(ValueError):
+        write_safetensors(tmp_path / "foreign.safetensors", shapes,
+                          [("other", torch.zeros(1))], metadata={})
