@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import unicodedata
 from functools import lru_cache
 from pathlib import Path
@@ -307,30 +308,35 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class _HFBackend:
-    def __init__(self, path: Path, byte_level: bool) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
+    """One tokenizers instance. It reads special tokens as text with its
+    ``encode_special_tokens`` switch set for the call, under a lock (the handlers' worker
+    threads encode side by side); a second instance for that held the vocabulary twice, and
+    loading it at the first chat left some 350 MiB resident on Qwen's 248k tokenizer.json."""
 
-        self._path = path
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders
+
         self._tok = HFTokenizer.from_file(str(path))
-        self._plain: Any = None  # a second instance that reads added tokens as text, lazily
-        self._byte_level = byte_level
+        self._switch = threading.Lock()
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)
         added = self._tok.get_added_tokens_decoder()
         self._added = {i: t.content for i, t in added.items()}
         self.control = tuple(t.content for t in added.values() if t.special)
+        vocab = self._tok.get_vocab(with_added_tokens=True)  # a dict of every token: once
+        self._n_vocab = max(vocab.values()) + 1 if vocab else 0
 
     def normalize(self, text: str) -> str:
         normalizer = self._tok.normalizer
         return text if normalizer is None else normalizer.normalize_str(text)
 
     def encode(self, text: str, allow_special: bool) -> list[int]:
-        if allow_special:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        if self._plain is None:
-            from tokenizers import Tokenizer as HFTokenizer
-
-            self._plain = HFTokenizer.from_file(str(self._path))
-            self._plain.encode_special_tokens = True
-        return self._plain.encode(text, add_special_tokens=False).ids
+        with self._switch:
+            self._tok.encode_special_tokens = not allow_special
+            try:
+                return self._tok.encode(text, add_special_tokens=False).ids
+            finally:
+                self._tok.encode_special_tokens = False
 
     def encode_text(self, text: str) -> list[int]:
         return self.encode(text, allow_special=False)  # special tokens as text, the rest read
@@ -341,8 +347,7 @@ class _HFBackend:
 
     @property
     def n_vocab(self) -> int:
-        vocab = self._tok.get_vocab(with_added_tokens=True)
-        return max(vocab.values()) + 1 if vocab else 0
+        return self._n_vocab
 
     def token_bytes(self, token_id: int) -> bytes | None:
         if not self._byte_level:
@@ -486,13 +491,9 @@ def _load_hf(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
     path = model_dir / HF_FILE
     raw = path.read_bytes()
     try:
-        spec = json.loads(raw)
-    except ValueError as e:
-        raise ModelError(f"{path} is not valid JSON: {e}") from None
-    decoder = spec.get("decoder") or {}
-    byte_level = decoder.get("type") == "ByteLevel"
-    try:
-        backend = _HFBackend(path, byte_level)
+        # The library parses the file itself: a json.loads of it beside (for the decoder's
+        # type, which the instance tells) held Qwen's 16 MB file as Python objects too.
+        backend = _HFBackend(path)
     except Exception as e:  # the tokenizers library raises its own Exception type
         raise ModelError(f"{path} cannot be loaded: {e}") from None
     specials = {content: i for i, content in backend._added.items()}

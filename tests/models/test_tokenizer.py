@@ -199,6 +199,35 @@ def test_control_tokens_are_the_special_ones_and_client_text_reads_them_as_text(
     assert hf.special_ids["<think>"] in ids and hf.special_ids["<|im_start|>"] not in ids
 
 
+def test_a_tokenizer_json_is_one_instance_that_reads_special_tokens_as_text_per_call(
+        hf_dir, monkeypatch):
+    """A second tokenizers instance for client text (special tokens read as text) held the
+    vocabulary twice: about 350 MiB resident on Qwen's tokenizer.json after the first chat.
+    The one instance's switch is set per call, under a lock: threads that encode both ways at
+    once each get what the one way gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    loads = []
+    real = HFTokenizer.from_file
+    monkeypatch.setattr(HFTokenizer, "from_file",
+                        staticmethod(lambda *a, **kw: loads.append(a) or real(*a, **kw)))
+    tok = load_tokenizer(hf_dir)
+    texts = [f"<|im_start|>user {i}\n" + MIXED[: 40 + i] + "<think>x</think><|im_end|>"
+             for i in range(24)]
+    as_text = [tok.encode_text(t) for t in texts]
+    read = [tok.encode(t) for t in texts]
+    assert all(1 not in ids for ids in as_text) and all(ids[0] == 1 for ids in read)
+    with ThreadPoolExecutor(8) as pool:
+        both = list(pool.map(lambda i: (tok.encode_text(texts[i % 24]), tok.encode(texts[i % 24])),
+                             range(400)))
+    assert all(both[i] == (as_text[i % 24], read[i % 24]) for i in range(400))
+    assert len(loads) == 1
+    assert tok.vocab_size == max(HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+                                 .get_vocab(with_added_tokens=True).values()) + 1
+
+
 @pytest.mark.parametrize("run", [" " * 2_000_000, "\t" * 1_100_000, " \t\u3000" * 400_000])
 def test_a_whitespace_run_of_millions_encodes_and_round_trips(qwen, run):
     # tiktoken's regex alone fails past about a million ("Max stack size exceeded")
