@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from tandem.models.base import ModelError
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -59,4 +62,20 @@ def load_model(spec: str, models_dir: Path, dtype: str = "auto",
         if spec == TINY_NAME:
             # tiny renders with tandem's template whatever an older tandem wrote beside it
             tokenizer.chat_template = None
+    _return_freed_heap(path)
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, name=name)
+
+
+def _return_freed_heap(path: Path) -> None:
+    """Hands the heap the load freed back to the system (glibc's malloc_trim). A tokenizer.json
+    is parsed whole: the tokenizers library's load of Qwen's 16 MB file left 177 MiB of freed
+    blocks in the heap beside the 88 MiB it keeps, resident until a later allocation reused
+    them; a checkpoint converted to the compute dtype frees its read buffers the same way."""
+    from tandem.cache.governor import CpuAllocator
+
+    heap = CpuAllocator()
+    before = heap.measure().held_nbytes
+    heap.release_reserve()
+    freed = before - heap.measure().held_nbytes
+    log.info("heap_trimmed", path=str(path), freed_mib=round(freed / 2**20, 1))
+
