@@ -175,7 +175,7 @@ class CpuAllocator:
                 self._mallinfo2 = getattr(libc, "mallinfo2", None)
                 if self._mallinfo2 is not None:
                     self._mallinfo2.restype = _Mallinfo2
-            except OSError:
+            except (OSError, AttributeError):  # no libc, or one without malloc_trim (musl)
                 self._libc = None
 
     def measure(self) -> Reading:
