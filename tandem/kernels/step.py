@@ -189,3 +189,41 @@ class NativeStep:
         if status != 0:
             raise MemoryError("the native decode step could not allocate its buffers")
         return logits
+
+    def ragged(self, x: torch.Tensor, states, ragged, positions: list[int], cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """A ragged step's logits [R, vocab] fp32 (HybridModel.forward_ragged): row r of
+        ``ragged.rows`` (sequence b, its row t) at ``positions[r]``; a decode row advances its
+        sequence's sections in place, a verify row reads the state its row t - 1 left (its
+        sequence's at t = 0) and writes ``ragged.work[b]``'s row t, the sections in place left
+        as they were; every row's key and value rows written. The GDN middle runs in
+        ``ragged.waves`` as the layer path's run_native does; ``fits`` first, for the states
+        and the work copies alike."""
+        rows = x.shape[0]
+        seqs = []
+        for b, t in ragged.rows:
+            s, work = states[b], ragged.work[b]
+            conv, recur = s.sections["gdn.conv"].data_ptr(), s.sections["gdn.S"].data_ptr()
+            if work is None:
+                ends = (conv, conv, recur, recur)
+            else:
+                out_conv, out_recur = work["gdn.conv"][t], work["gdn.S"][t]
+                ends = (conv if t == 0 else work["gdn.conv"][t - 1].data_ptr(),
+                        out_conv.data_ptr(),
+                        recur if t == 0 else work["gdn.S"][t - 1].data_ptr(),
+                        out_recur.data_ptr())
+            k = s.views["K"].tensor
+            seqs += (*ends, k.data_ptr(), s.views["V"].tensor.data_ptr(), k.stride(0),
+                     k.stride(1))
+        order = [r for wave, _ in ragged.waves for r in wave]
+        at = [0]
+        for wave, _ in ragged.waves:
+            at.append(at[-1] + len(wave))
+        logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        status = native_function("tandem_step_rows_f32")(
+            self._ref, rows, x.data_ptr(), x.stride(0), (_L * len(seqs))(*seqs),
+            (_L * rows)(*positions), (_L * rows)(*order), (_L * len(at))(*at), len(at) - 1,
+            cos.data_ptr(), sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("the native ragged step could not allocate its buffers")
+        return logits

@@ -945,10 +945,21 @@ class HybridModel:
         values = [s.views["V"].tensor for s, b in zip(states, blocks) for _ in b]
         x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device),
                         self.w["embed_tokens.weight"])
+        logits: list[torch.Tensor | None] = [None] * len(blocks)
+        step = self._native_step()
+        if step is not None and x.stride(1) == 1 and step.fits(states):
+            # every layer and the head in one native call, the GDN middle in the waves the
+            # layer path runs: its kernels in its order, its bits (decode rows and verify rows)
+            cos, sin = self._step_rope(turns, len(ids), len(ids))
+            rows = step.ragged(x, states, ragged, at, cos.contiguous(), sin.contiguous())
+            first = 0
+            for b, block in enumerate(blocks):
+                logits[b] = rows[first:first + len(block)]
+                first += len(block)
+            return logits, ragged.steps()
         x = self._step_layers(x, len(ids), turns, at, keys, values, None, None, ragged)
         _, x = self._residual_norm(x, None, "norm.weight",
                                    decode_ops.block() == 1 and native_rows_fit(x))
-        logits: list[torch.Tensor | None] = [None] * len(blocks)
         if ragged.decode_rows:
             heads = self._linear(x[ragged.decode_index], "lm_head.weight").float()
             for row, (b, _) in zip(heads, (ragged.rows[r] for r in ragged.decode_rows)):

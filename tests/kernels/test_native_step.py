@@ -188,3 +188,58 @@ def test_a_position_past_the_window_is_refused_before_the_kernel_writes(small):
         with torch.inference_mode(), pytest.raises(IndexError):
             small.forward_batch([state], [3], [16])
         _assert_same(([], [state]), ([], [before]))
+
+
+def _ragged(model, seqs, whole: bool, blocks, verify):
+    """One forward_ragged over clones of ``seqs`` with the whole-step call on or off: the
+    logits, the steps and the states after."""
+    native_step.set_enabled(whole)
+    states = [_clone(s) for s, _, _ in seqs]
+    with torch.inference_mode():
+        logits, steps = model.forward_ragged(states, blocks, [n for _, n, _ in seqs],
+                                             verify=verify)
+    return [t.clone() for t in logits], steps, states
+
+
+@pytest.mark.parametrize("shape", ["mixed", "verify only", "one block"])
+def test_a_ragged_step_of_decodes_and_verify_blocks_is_the_layer_paths_bits(model, shape,
+                                                                           monkeypatch):
+    """Speculation's verify blocks beside decodes in one native call (tandem_step_rows_f32):
+    every row's logits, every verify row's steps (the state after each position, in its own
+    copy: the sections in place untouched by a block) and every sequence's sections and key
+    and value rows after are the layer path's bits (torch.equal), whose verify rows are in turn
+    decoding's one by one (tests/models/test_forward_batch.py)."""
+    seqs = _prefilled(model, [3, 17, 40, 9], [128] * 4)
+    gen = torch.Generator().manual_seed(9)
+    draft = lambda k: torch.randint(0, model.vocab_size, (k,), generator=gen).tolist()
+    firsts = [t for _, _, t in seqs]
+    if shape == "mixed":
+        blocks = [[firsts[0]], [firsts[1]] + draft(3), [firsts[2]], [firsts[3]] + draft(1)]
+        verify, use = [False, True, False, True], seqs
+    elif shape == "verify only":
+        blocks = [[firsts[1]] + draft(4), [firsts[2]] + draft(2), [firsts[3]]]
+        verify, use = [True, True, True], seqs[1:]
+    else:
+        blocks, verify, use = [[firsts[2]] + draft(5)], [True], seqs[2:3]
+    layered = _ragged(model, use, False, blocks, verify)
+    calls = []
+    real = native_step.NativeStep.ragged
+    monkeypatch.setattr(native_step.NativeStep, "ragged",
+                        lambda self, *a: calls.append(len(a[2].rows)) or real(self, *a))
+    whole = _ragged(model, use, True, blocks, verify)
+    assert calls == [sum(map(len, blocks))], "the native ragged step did not run"
+    for a, b in zip(whole[0], layered[0]):
+        assert a.shape == b.shape and torch.equal(a, b)
+    for a, b in zip(whole[1], layered[1]):
+        assert (a is None) == (b is None)
+        for name in a or {}:
+            assert torch.equal(a[name], b[name]), name
+    for x, y in zip(whole[2], layered[2]):
+        for name in x.sections:
+            assert torch.equal(x.sections[name], y.sections[name]), name
+        for name in x.views:
+            assert torch.equal(x.views[name].tensor, y.views[name].tensor), name
+    for (s, _, _), after, v in zip(use, whole[2], verify):
+        if v:  # a verify block leaves its sequence's sections as they were
+            for name in s.sections:
+                assert torch.equal(after.sections[name], s.sections[name]), name

@@ -57,15 +57,22 @@ struct step_model {
   long conv_slot, state_slot;  /* one layer slot of a sequence's conv tails, of its states */
 };
 
-/* x: the R embedding rows (ldx apart, read only). seqs[6 r .. 6 r + 5]: row r's sequence's conv
-   tails, recurrent states, key rows and value rows (the addresses of each section's first layer
-   slot), then its key (and value) rows' strides in floats: one layer slot, one head. at[r]: the
-   position row r writes and attends up to. cos, sin [R, rd] (sin's first half negated). logits
-   [R, vocab]. Returns 0, or -1 where a buffer could not be allocated (nothing is then written:
-   the allocations come first). */
-int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
-                    const long *seqs, const long *at, const float *cos, const float *sin,
-                    float *logits, int threads) {
+/* x: the R embedding rows (ldx apart, read only). seqs[8 r .. 8 r + 7]: row r's conv tails
+   and recurrent states to read and to write (the addresses of each section's first layer
+   slot: a decode reads and writes its sequence's own in place; a verify block's row t reads
+   what its row t - 1 wrote, its sequence's at t = 0, and writes a copy of its own, the step's
+   steps), its sequence's key rows and value rows, then their strides in floats: one layer
+   slot, one head. at[r]: the position row r writes and attends up to; a sequence's rows lie
+   together in order, so attention (a row at a time, its key row written first) sees the
+   block's rows before it. The GDN middle runs a wave at a time: wave w is rows
+   wave_rows[wave_at[w] .. wave_at[w + 1]), every block's row w, so that its row t runs after
+   row t - 1 (waves 0: one call over every row, as a decode step). cos, sin [R, rd] (sin's
+   first half negated). logits [R, vocab]. Returns 0, or -1 where a buffer could not be
+   allocated (nothing is then written: the allocations come first). */
+int tandem_step_rows_f32(const struct step_model *M, long R, const float *x, long ldx,
+                         const long *seqs, const long *at, const long *wave_rows,
+                         const long *wave_at, long waves, const float *cos, const float *sin,
+                         float *logits, int threads) {
   const long D = M->D;
   long top = 0;
   for (long r = 0; r < R; r++) top = at[r] > top ? at[r] : top;
@@ -80,7 +87,7 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
   float *resid = buf, *h = resid + R * D, *o = h + R * D, *proj = o + R * D;
   float *mid = proj + R * M->width, *scores = mid + R * M->middle;
   long *vbufs = kbufs + R, *heads = kbufs + 2 * R;
-  for (long r = 0; r < R; r++) heads[r] = seqs[6 * r + 5];
+  for (long r = 0; r < R; r++) heads[r] = seqs[8 * r + 7];
   const float *xr = x;  /* the residual stream: the embedding, then resid */
   long ldr = ldx;
   for (long l = 0; l < M->layers; l++) {
@@ -93,21 +100,26 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
     }
     project(&L->in, h, R, D, proj, threads);
     if (L->kind == 0) {
-      for (long r = 0; r < R; r++) {
-        float *tail = (float *)seqs[6 * r] + L->slot * M->conv_slot;
-        float *state = (float *)seqs[6 * r + 1] + L->slot * M->state_slot;
-        ptrs[r] = ptrs[R + r] = tail;  /* a decode advances its tail and state in place */
-        ptrs[2 * R + r] = ptrs[3 * R + r] = state;
-      }
       const long n = L->in.width;
-      tandem_gdn_rows_f32(L->gdn, R, NULL, proj + L->off[2], n, proj + L->off[0], n,
-                          proj + L->off[1], n, proj + L->off[3], n, ptrs, mid, L->k_out,
-                          threads);
+      for (long w = 0; w < (waves > 0 ? waves : 1); w++) {
+        const long *rows = waves > 0 ? wave_rows + wave_at[w] : NULL;
+        const long Rw = waves > 0 ? wave_at[w + 1] - wave_at[w] : R;
+        for (long k = 0; k < Rw; k++) {
+          const long *q = seqs + 8 * (rows ? rows[k] : k);
+          ptrs[k] = (float *)q[0] + L->slot * M->conv_slot;
+          ptrs[Rw + k] = (float *)q[1] + L->slot * M->conv_slot;
+          ptrs[2 * Rw + k] = (float *)q[2] + L->slot * M->state_slot;
+          ptrs[3 * Rw + k] = (float *)q[3] + L->slot * M->state_slot;
+        }
+        tandem_gdn_rows_f32(L->gdn, Rw, rows, proj + L->off[2], n, proj + L->off[0], n,
+                            proj + L->off[1], n, proj + L->off[3], n, ptrs, mid, L->k_out,
+                            threads);
+      }
     } else {
       for (long r = 0; r < R; r++) {
-        long slot = (long)sizeof(float) * L->slot * seqs[6 * r + 4];
-        kbufs[r] = seqs[6 * r + 2] + slot;
-        vbufs[r] = seqs[6 * r + 3] + slot;
+        long slot = (long)sizeof(float) * L->slot * seqs[8 * r + 6];
+        kbufs[r] = seqs[8 * r + 4] + slot;
+        vbufs[r] = seqs[8 * r + 5] + slot;
       }
       const long n = L->in.width;
       tandem_attn_rows_f32(proj + L->off[1], n, proj + L->off[0], n, proj + L->off[2], n, R,
@@ -129,4 +141,23 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
   tandem_rows_f32(h, D, R, M->head, M->vocab, D, logits, M->vocab, threads);
   free(buf); free(ptrs); free(kbufs);
   return 0;
+}
+
+/* A decode step: seqs[6 r .. 6 r + 5] row r's conv tails, recurrent states (advanced in
+   place), key rows, value rows and their two strides; one GDN call over every row. */
+int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
+                    const long *seqs, const long *at, const float *cos, const float *sin,
+                    float *logits, int threads) {
+  long *rows = malloc((size_t)(8 * R) * sizeof(long));
+  if (rows == NULL) return -1;
+  for (long r = 0; r < R; r++) {
+    const long *q = seqs + 6 * r;
+    long *d = rows + 8 * r;
+    d[0] = d[1] = q[0], d[2] = d[3] = q[1];
+    d[4] = q[2], d[5] = q[3], d[6] = q[4], d[7] = q[5];
+  }
+  int status = tandem_step_rows_f32(M, R, x, ldx, rows, at, NULL, NULL, 0, cos, sin, logits,
+                                    threads);
+  free(rows);
+  return status;
 }
