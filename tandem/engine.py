@@ -41,12 +41,12 @@ class ContextOverflow(ModelError):
 # to after a rejection: a block of up to 5 positions streams the head once, as a step does (on
 # torch's decode path it cost one step; against the native step it costs more, DRAFT_REST_MAX).
 DRAFT_FLOOR = 4
-# A block whose every draft was rejected costs more than the decode step it stands for (decode's
-# step is one native call, a verify block runs the model's torch path): after one, drafting
-# rests for 1, 2, 4, ... tokens (up to DRAFT_REST_MAX) while such blocks follow each other, and
-# comes back at once after a block that accepted a draft. On the 0.8B-like checkpoint, whose
-# random text drafts often and is accepted little, speculation decoded 14.4 tok/s against 16.3
-# with it off before the rest.
+# A block whose every draft was rejected costs more than the decode step it stands for (its
+# rows' arithmetic, and until the native step took verify blocks, the model's layer path where
+# decode was one native call): after one, drafting rests for 1, 2, 4, ... tokens (up to
+# DRAFT_REST_MAX) while such blocks follow each other, and comes back at once after a block that
+# accepted a draft. On the 0.8B-like checkpoint, whose random text drafts often and is accepted
+# little, speculation decoded 14.4 tok/s against 16.3 with it off before the rest.
 DRAFT_REST_MAX = 32
 
 # Under this temperature sampling is greedy (the argmax, no draw from the generator): logits / T
