@@ -784,7 +784,9 @@ class HybridModel:
                                              attn_mask=mask, is_causal=causal,
                                              scale=hd ** -0.5, enable_gqa=True)
         out = out[0].transpose(0, 1)
-        out = (out.flip(0) if mask is not None else out).reshape(n, nh * hd)
+        if mask is not None:  # the rows back in order, gathered into one contiguous copy
+            out = out[torch.arange(n - 1, -1, -1, device=out.device)]
+        out = out.reshape(n, nh * hd)
         out = out * torch.sigmoid(gate)
         return F.linear(out, w[p + "o_proj.weight"], w.get(p + "o_proj.bias"))
 
