@@ -14,6 +14,7 @@ own invariants hold whenever they are here (checked on their return).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import structlog
@@ -31,8 +32,14 @@ from tandem.cache.namespace import Namespace
 from tandem.cache.slots import SlotFacts, place
 from tandem.cache.holdings import (ParkHoldings, ResidentHoldings, park_offer, park_statistics,
                                    resident_offer, resident_statistics)
+from tandem.tokens import common_prefix
 
 log = structlog.get_logger("tandem.tiers")
+
+# The guests' prompts kept to tell a conversation's next turn (ResidentActor.recent_guests),
+# and the tokens at a prompt's end that may differ once the turn is rendered with its answer.
+RECENT_GUESTS = 8
+GUEST_TAIL = 16
 
 
 class TierLendingError(RuntimeError):
@@ -133,6 +140,9 @@ class ResidentActor(_Lender):
         self._clock = 0
         self.placements: dict[str, int] = {}  # how requests were placed, by rule
         self.lent: dict[int, str] = {}  # the slots lent now, to which request
+        # The prompts of the last guests (namespace, ids): a prompt that goes on from one is a
+        # conversation's next turn, and is no guest (tandem/cache/slots.py).
+        self.recent_guests: deque[tuple[Namespace, list[int]]] = deque(maxlen=RECENT_GUESTS)
         super().__init__(name, self.slots[0], governor, **actor_options)
 
     def _offer(self, msg: OfferTiers) -> ResidentOffered:
@@ -148,10 +158,12 @@ class ResidentActor(_Lender):
                  for i, held in enumerate(self.slots) if i not in self.lent]
         if not facts:
             raise TierLendingError(f"{self.name}: every slot is lent")
-        placed = place(msg.prompt_ids, msg.session, namespace, facts,
+        prompt = list(msg.prompt_ids)
+        placed = place(prompt, msg.session, namespace, facts,
                        self.slots[0].anchors.chunk, park_slot=msg.park_slot,
                        park_point=msg.park_point, park_session=msg.park_session,
-                       side=msg.side, own_slot=msg.own_slot)
+                       side=msg.side, own_slot=msg.own_slot,
+                       guests=msg.side or not self._goes_on_from_a_guest(prompt, namespace))
         self.holdings = self.slots[placed.slot]
         self.lent[placed.slot] = msg.request_id
         self.lent_to = msg.request_id
@@ -163,6 +175,8 @@ class ResidentActor(_Lender):
                 self._clock += 1
                 self.used[placed.slot] = self._clock
             self.placements[placed.why] = self.placements.get(placed.why, 0) + 1
+            if placed.offer.resume.guest and not msg.side and len(self.slots) > 1:
+                self.recent_guests.append((namespace, prompt))
         offer = placed.offer
         r = offer.resume
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
@@ -171,6 +185,16 @@ class ResidentActor(_Lender):
 
     def _all_holdings(self) -> list[Any]:
         return list(self.slots)
+
+    def _goes_on_from_a_guest(self, prompt: list[int], namespace: Namespace) -> bool:
+        """Whether ``prompt`` is a recent guest's prompt gone on: longer, and the same tokens
+        but for the last few (a template may render the turn's opening of the answer
+        otherwise once it has one)."""
+        for ns, ids in self.recent_guests:
+            if ns == namespace and len(prompt) > len(ids) and common_prefix(
+                    prompt, ids) >= max(1, len(ids) - GUEST_TAIL):
+                return True
+        return False
 
     async def handle(self, msg: Message) -> object | None:
         if isinstance(msg, LendSlot):

@@ -174,8 +174,11 @@ class Decided:
 
 
 def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Namespace,
-                   rows: Sequence[int], *, side: bool = False) -> ResidentOffer:
+                   rows: Sequence[int], *, side: bool = False,
+                   guest_ok: bool = True) -> ResidentOffer:
     """Where the resident's own copies resume ``prompt`` over the rows in place ``rows``.
+    ``guest_ok`` False: a short prompt is no guest over those rows, it replaces them (a
+    conversation that goes on from an earlier guest, tandem/cache/slots.py).
     ``side``: a side request (tandem/server/side.py) is a guest whatever its length, and
     keeps nothing: not even a repeat's prompt-end anchor serves it, since that move would
     drop the end anchor above it. One that goes on from the rows in place at their end
@@ -200,7 +203,7 @@ def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Nam
         # The same prompt again (a regenerate, a retry): nothing to forward, and no other
         # offer reaches past ``limit``. Before the guest test: a repeat is no guest.
         return ResidentOffer(Resume(pe.length, "prompt_end"), c, continuing, True)
-    if not continuing and held.stash.is_guest(len(prompt), length):
+    if guest_ok and not continuing and held.stash.is_guest(len(prompt), length):
         start = held.anchors.best(min(c, limit))
         return ResidentOffer(Resume(start, "resident" if start else "cold", guest=True), c,
                              continuing, True)

@@ -17,6 +17,11 @@ slot holds, made by the resident actor when it answers a job's offer:
 A guest (a short prompt beside a long conversation) thus takes an empty side slot and needs no
 stash; it stashes only when it lands in a slot that holds a conversation (no slot was empty). A
 short conversation beside a long one keeps its own slot and resumes at its own end every turn.
+A guest keeps nothing, so a new conversation that found every slot holding a longer one would
+be a guest again on every turn and re-read itself whole: its next turn (a prompt that goes on
+from a recent guest's, ``guests`` False) is no guest, and takes the slot its rule picks, whose
+conversation leaves for the park. With one slot the resident stays protected: a short
+conversation there is a guest every turn, as the spec's single engine has it.
 
 A side request (tandem/server/side.py: Open WebUI's title, tags and follow-ups, often longer
 than the chat they are about) is placed by its own rule, before every other, and runs as a
@@ -71,15 +76,18 @@ class Placement:
 def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
           slots: Sequence[SlotFacts], chunk: int, *, park_slot: int | None = None,
           park_point: int = 0, park_session: str | None = None,
-          side: bool = False, own_slot: bool = False) -> Placement:
+          side: bool = False, own_slot: bool = False, guests: bool = True) -> Placement:
     """The slot a request goes to, and the resident's offer there (module docstring).
 
     ``park_slot``: the slot the parked conversation was parked from, ``park_point`` where the
     park's offer resumes the prompt over that slot's rows (0: it does not), ``park_session``
     the parked conversation's session key; ``side``: a side request; ``own_slot``: one
-    placed in its session's slot (idle work)."""
+    placed in its session's slot (idle work); ``guests`` False: the prompt is no guest in any
+    slot (it goes on from a recent guest's), where there are several."""
     prompt = list(prompt)
-    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows, side=side)
+    guest_ok = guests or len(slots) == 1
+    offers = {s.index: resident_offer(s.holdings, prompt, namespace, s.rows, side=side,
+                                      guest_ok=guest_ok)
               for s in slots}
     if len(slots) == 1:
         return Placement(slots[0].index, "only", offers[slots[0].index])

@@ -124,6 +124,23 @@ def test_a_guest_with_every_slot_taken_stashes_in_the_least_recently_used():
     assert (placed.slot, placed.why) == (2, "lru") and placed.offer.resume.guest
 
 
+def test_a_conversation_going_on_from_a_guest_replaces_the_least_recently_used():
+    """``guests`` False (the prompt goes on from a recent guest's, tandem/actors/tiers.py):
+    the same request is no guest, in the same slot; with one slot the resident stays
+    protected and it is a guest still."""
+    _, _, held = _slots()
+    rows = [_ids(0, 900), _ids(1000, 900), _ids(2000, 900), _ids(3000, 900)]
+    facts = _facts(held, rows, used=[3, 1, 2, 4])
+    short = _ids(9000, 40)
+    first = place(short, None, SHARED, facts, CHUNK)
+    again = place(short, None, SHARED, facts, CHUNK, guests=False)
+    assert (first.slot, first.why, first.offer.resume.guest) == (1, "lru", True)
+    assert (again.slot, again.why, again.offer.resume.guest) == (1, "lru", False)
+    _, _, one = _slots(1)
+    alone = place(short, None, SHARED, _facts(one, rows[:1]), CHUNK, guests=False)
+    assert alone.offer.resume.guest
+
+
 def test_the_parked_conversation_comes_back_to_the_slot_it_left():
     _, _, held = _slots()
     rows = [_ids(0, 300), _ids(1000, 300), [], []]
