@@ -112,6 +112,8 @@ class ResidentPrefix:
     memory)``): the resident and park actors then lend theirs for each generation (``lend``)
     and take them back after it (``give_back``)."""
 
+    _restoring: Resume | None = None  # the resume begin restores, kept from the sheds meanwhile
+
     def __init__(self, engine: SequenceEngine, memory: MemoryAccountant, **knobs):
         self.engine = engine
         self.memory = memory
@@ -293,12 +295,19 @@ class ResidentPrefix:
         if moves.kind == "park":
             return self._swap_in_park(prompt, offer.start, session, namespace)
         best = offer
-        if moves.drop_park:
-            self.park_tier.drop()
-        if moves.park_above is not None:
-            self._park_current(moves.park_above)
-        if moves.pin_head:
-            self._pin_head()
+        # The copy the move restores stays while the park and the pin reserve their room:
+        # a reserve sheds cheaper levels (the prompt-end, the anchors, the end) of these very
+        # holdings, and a fuzzed memory ceiling shed the prompt-end under its own restore.
+        self._restoring = best
+        try:
+            if moves.drop_park:
+                self.park_tier.drop()
+            if moves.park_above is not None:
+                self._park_current(moves.park_above)
+            if moves.pin_head:
+                self._pin_head()
+        finally:
+            self._restoring = None
         if moves.kind == "move":
             self._move_to(best)
         self.session = session
@@ -421,8 +430,14 @@ class ResidentPrefix:
         if level in PARK_LEVELS and self._park_tiers is None:
             return 0  # the park actor has them back; nobody sheds them here
         before = self.memory.held[level]
+        restoring = self._restoring
+        if restoring is not None and (level, restoring.source) in (("prompt_end", "prompt_end"),
+                                                                   ("end", "end")):
+            return 0  # the copy begin is about to restore
         if level == "anchors":
-            self.anchor_tier.shed(need_nbytes)
+            self.anchor_tier.shed(need_nbytes, protect=(
+                restoring.start if restoring is not None and restoring.source == "resident"
+                else -1))
         elif level == "end":
             if self.stash is not None and self.stash.sections is None:
                 self._drop_stash()  # it would restore its sections from the end anchor

@@ -174,3 +174,29 @@ async def test_the_rows_a_slot_would_back_are_admitted_with_the_workspace(model)
     governor.after_request()
     with pytest.raises(MemoryRefused):
         await governor.admit_prefill(100, shed, set(), grow_nbytes=1001)
+
+
+def test_the_copy_a_resume_restores_is_not_shed_by_the_park_it_makes_room_for(model):
+    """Another session sends the prompt in place again: it resumes at the prompt-end anchor
+    and the conversation in place is parked first. With no room under the ceiling the park's
+    reserve sheds cheaper levels of these very holdings, the prompt-end among them: the copy
+    the resume is about to restore stays (before, it was released under it and the request
+    failed with an AttributeError, a 500 through the server: the fuzzer's memory limits).
+    Gate: torch.equal, the resumed logits are the prefill's."""
+    import torch
+
+    allocator = FakeAllocator()
+    governor = MemoryGovernor(roomy(), allocator)
+    rig = StoreRig(model, governor=governor, park=64 << 20)
+    allocator.memory = rig.memory
+    prompt = tokens(model.vocab_size, 300, 7)
+    rig.turn(prompt, session="a")
+    kept = rig.resident.prompt_end
+    assert kept is not None and kept.length == len(prompt)
+    want = kept.logits.clone()
+    # No room, even with the store shed: the park's reserve reaches the prompt-end's level.
+    room = BASE + total(rig) - rig.memory.held["store"] + 1
+    governor.set_limits(MemoryLimits(room, room + (1 << 30), 1))
+    resume, _ = rig.turn(prompt, session="b")
+    assert resume.source == "prompt_end" and torch.equal(resume.logits, want)
+    assert governor.stats.shed_total["store"] >= 1 and governor.stats.shed_total["anchors"] >= 1

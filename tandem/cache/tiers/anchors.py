@@ -99,11 +99,16 @@ class Anchors:
             self.drop(self.writing)
         self.writing = None
 
-    def shed(self, need_nbytes: int) -> None:
+    def shed(self, need_nbytes: int, protect: int = -1) -> None:
+        """Give back ``need_nbytes`` of copies, cheapest loss first; the copy at ``protect``
+        (a restore's, under way) stays."""
         before = self.memory.held[LEVEL]
-        while self.memory.held[LEVEL] > before - need_nbytes and self.copies:
-            if not self.evict_one(protect=-1):
-                self.drop(min(self.copies))
+        while self.memory.held[LEVEL] > before - need_nbytes:
+            if not self.evict_one(protect=protect):
+                rest = [line for line in self.copies if line != protect]
+                if not rest:
+                    break
+                self.drop(min(rest))
 
     def check_invariants(self, rows_in_place: int) -> None:
         for line in self.copies:
