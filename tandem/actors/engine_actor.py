@@ -1367,7 +1367,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         if served is not prompt:
             # The copy is served as other rows: the same offers, over the same lent holdings,
             # for the rows served.
-            mine = resident_offer(r.holdings, served, namespace, rows, side=job.side)
+            mine = resident_offer(r.holdings, served, namespace, rows, side=job.side,
+                                      guest_ok=r.guest_ok)
             if not mine.decisive:
                 theirs = park_offer(p.holdings, served, namespace, rows, r.holdings.namespace)
         workspace = 0
@@ -1377,7 +1378,8 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             # refused (MemoryRefused: a 503). The offers are made again over what is left.
             workspace, changed = await self._admit(job, len(served))
             if changed:
-                mine = resident_offer(r.holdings, served, namespace, rows, side=job.side)
+                mine = resident_offer(r.holdings, served, namespace, rows, side=job.side,
+                                      guest_ok=r.guest_ok)
                 theirs = (ParkOffer(0, 0) if mine.decisive else
                           park_offer(p.holdings, served, namespace, rows, r.holdings.namespace))
         resume = choose(mine, theirs)

@@ -63,6 +63,7 @@ class ResidentOffered(Message):
     holdings: Any = None  # tandem.cache.resident.ResidentHoldings, lent
     slot: int = 0  # the slot placed in, whose holdings are lent
     placed: str = "only"  # the placement rule that chose it (tandem.cache.slots.Why)
+    guest_ok: bool = True  # False: placed as no guest (it goes on from a guest's prompt)
 
 
 class ParkOffered(Message):

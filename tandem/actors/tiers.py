@@ -159,11 +159,11 @@ class ResidentActor(_Lender):
         if not facts:
             raise TierLendingError(f"{self.name}: every slot is lent")
         prompt = list(msg.prompt_ids)
+        guests = msg.side or not self._goes_on_from_a_guest(prompt, namespace)
         placed = place(prompt, msg.session, namespace, facts,
                        self.slots[0].anchors.chunk, park_slot=msg.park_slot,
                        park_point=msg.park_point, park_session=msg.park_session,
-                       side=msg.side, own_slot=msg.own_slot,
-                       guests=msg.side or not self._goes_on_from_a_guest(prompt, namespace))
+                       side=msg.side, own_slot=msg.own_slot, guests=guests)
         self.holdings = self.slots[placed.slot]
         self.lent[placed.slot] = msg.request_id
         self.lent_to = msg.request_id
@@ -181,7 +181,8 @@ class ResidentActor(_Lender):
         r = offer.resume
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
                                offer.continuing, offer.decisive, holdings.namespace, holdings,
-                               slot=placed.slot, placed=placed.why)
+                               slot=placed.slot, placed=placed.why,
+                               guest_ok=guests or len(self.slots) == 1)
 
     def _all_holdings(self) -> list[Any]:
         return list(self.slots)
