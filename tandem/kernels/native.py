@@ -117,12 +117,9 @@ SIGNATURES.update({
     "tandem_gdn_prefill_f32": [_P, _L, _P, _L, _P, _L, _P, _L, _P, _L, _P, _P, _P, _L, _I],
 })
 # csrc/step.c: a whole decode step (step.NativeStep); it returns 0, or -1 where it could not
-# allocate its buffers
-SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _P, _I]
-# and a ragged step's (decodes and verify blocks, its GDN middle in waves)
-SIGNATURES["tandem_step_rows_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _I]
-RESTYPES = {"tandem_step_f32": _I, "tandem_step_rows_f32": _I,
-            "tandem_gdn_prefill_f32": _I}  # the rest return void
+# allocate its buffers (decodes, and verify blocks with their GDN middle in waves)
+SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _I]
+RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I}  # the rest return void
 
 
 def _load() -> ctypes.CDLL | None:

@@ -175,20 +175,11 @@ class NativeStep:
         r of sequence ``states[r]`` at ``positions[r]``, its rotary cos and sin [R, rd] (sin's
         first half negated, as HybridModel._step_rope gives them); each sequence's tails,
         states and rows are advanced in place (``fits`` first)."""
-        rows = x.shape[0]
         seqs = []
         for s in states:  # positions inside the windows: forward_batch refuses the rest
-            k = s.views["K"].tensor
-            seqs += (s.sections["gdn.conv"].data_ptr(), s.sections["gdn.S"].data_ptr(),
-                     k.data_ptr(), s.views["V"].tensor.data_ptr(), k.stride(0), k.stride(1))
-        logits = torch.empty(rows, self.vocab, dtype=torch.float32)
-        status = native_function("tandem_step_f32")(
-            self._ref, rows, x.data_ptr(), x.stride(0), (_L * len(seqs))(*seqs),
-            (_L * rows)(*positions), cos.data_ptr(), sin.data_ptr(), logits.data_ptr(),
-            torch.get_num_threads())
-        if status != 0:
-            raise MemoryError("the native decode step could not allocate its buffers")
-        return logits
+            conv, recur = s.sections["gdn.conv"].data_ptr(), s.sections["gdn.S"].data_ptr()
+            seqs += (conv, conv, recur, recur, *_kv(s))
+        return self._run(x, seqs, positions, [], cos, sin)
 
     def ragged(self, x: torch.Tensor, states, ragged, positions: list[int], cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
@@ -199,31 +190,41 @@ class NativeStep:
         as they were; every row's key and value rows written. The GDN middle runs in
         ``ragged.waves`` as the layer path's run_native does; ``fits`` first, for the states
         and the work copies alike."""
-        rows = x.shape[0]
         seqs = []
         for b, t in ragged.rows:
             s, work = states[b], ragged.work[b]
-            conv, recur = s.sections["gdn.conv"].data_ptr(), s.sections["gdn.S"].data_ptr()
-            if work is None:
-                ends = (conv, conv, recur, recur)
-            else:
-                out_conv, out_recur = work["gdn.conv"][t], work["gdn.S"][t]
-                ends = (conv if t == 0 else work["gdn.conv"][t - 1].data_ptr(),
-                        out_conv.data_ptr(),
-                        recur if t == 0 else work["gdn.S"][t - 1].data_ptr(),
-                        out_recur.data_ptr())
-            k = s.views["K"].tensor
-            seqs += (*ends, k.data_ptr(), s.views["V"].tensor.data_ptr(), k.stride(0),
-                     k.stride(1))
-        order = [r for wave, _ in ragged.waves for r in wave]
+            ends = []
+            for name in ("gdn.conv", "gdn.S"):
+                here = s.sections[name].data_ptr()
+                if work is None:  # a decode: read and written in place
+                    ends += (here, here)
+                else:
+                    ends += (here if t == 0 else work[name][t - 1].data_ptr(),
+                             work[name][t].data_ptr())
+            seqs += (*ends, *_kv(s))
+        return self._run(x, seqs, positions, [wave for wave, _ in ragged.waves], cos, sin)
+
+    def _run(self, x: torch.Tensor, seqs: list[int], positions: list[int],
+             waves: list[list[int]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """tandem_step_f32 over rows ``seqs`` (8 addresses and strides a row, step.c), the GDN
+        middle wave by wave (no waves: one call over every row)."""
+        rows = x.shape[0]
+        order = [r for wave in waves for r in wave]
         at = [0]
-        for wave, _ in ragged.waves:
+        for wave in waves:
             at.append(at[-1] + len(wave))
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
-        status = native_function("tandem_step_rows_f32")(
+        status = native_function("tandem_step_f32")(
             self._ref, rows, x.data_ptr(), x.stride(0), (_L * len(seqs))(*seqs),
-            (_L * rows)(*positions), (_L * rows)(*order), (_L * len(at))(*at), len(at) - 1,
-            cos.data_ptr(), sin.data_ptr(), logits.data_ptr(), torch.get_num_threads())
+            (_L * rows)(*positions), (_L * len(order))(*order), (_L * len(at))(*at),
+            len(waves), cos.data_ptr(), sin.data_ptr(), logits.data_ptr(),
+            torch.get_num_threads())
         if status != 0:
-            raise MemoryError("the native ragged step could not allocate its buffers")
+            raise MemoryError("the native step could not allocate its buffers")
         return logits
+
+
+def _kv(state) -> tuple[int, int, int, int]:
+    """A sequence's key and value rows and their strides (a layer slot, a head), in floats."""
+    k = state.views["K"].tensor
+    return k.data_ptr(), state.views["V"].tensor.data_ptr(), k.stride(0), k.stride(1)

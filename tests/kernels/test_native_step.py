@@ -204,7 +204,7 @@ def _ragged(model, seqs, whole: bool, blocks, verify):
 @pytest.mark.parametrize("shape", ["mixed", "verify only", "one block"])
 def test_a_ragged_step_of_decodes_and_verify_blocks_is_the_layer_paths_bits(model, shape,
                                                                            monkeypatch):
-    """Speculation's verify blocks beside decodes in one native call (tandem_step_rows_f32):
+    """Speculation's verify blocks beside decodes in one native call (tandem_step_f32, in waves):
     every row's logits, every verify row's steps (the state after each position, in its own
     copy: the sections in place untouched by a block) and every sequence's sections and key
     and value rows after are the layer path's bits (torch.equal), whose verify rows are in turn

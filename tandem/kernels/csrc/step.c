@@ -69,10 +69,10 @@ struct step_model {
    row t - 1 (waves 0: one call over every row, as a decode step). cos, sin [R, rd] (sin's
    first half negated). logits [R, vocab]. Returns 0, or -1 where a buffer could not be
    allocated (nothing is then written: the allocations come first). */
-int tandem_step_rows_f32(const struct step_model *M, long R, const float *x, long ldx,
-                         const long *seqs, const long *at, const long *wave_rows,
-                         const long *wave_at, long waves, const float *cos, const float *sin,
-                         float *logits, int threads) {
+int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
+                    const long *seqs, const long *at, const long *wave_rows,
+                    const long *wave_at, long waves, const float *cos, const float *sin,
+                    float *logits, int threads) {
   const long D = M->D;
   long top = 0;
   for (long r = 0; r < R; r++) top = at[r] > top ? at[r] : top;
@@ -141,23 +141,4 @@ int tandem_step_rows_f32(const struct step_model *M, long R, const float *x, lon
   tandem_rows_f32(h, D, R, M->head, M->vocab, D, logits, M->vocab, threads);
   free(buf); free(ptrs); free(kbufs);
   return 0;
-}
-
-/* A decode step: seqs[6 r .. 6 r + 5] row r's conv tails, recurrent states (advanced in
-   place), key rows, value rows and their two strides; one GDN call over every row. */
-int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
-                    const long *seqs, const long *at, const float *cos, const float *sin,
-                    float *logits, int threads) {
-  long *rows = malloc((size_t)(8 * R) * sizeof(long));
-  if (rows == NULL) return -1;
-  for (long r = 0; r < R; r++) {
-    const long *q = seqs + 6 * r;
-    long *d = rows + 8 * r;
-    d[0] = d[1] = q[0], d[2] = d[3] = q[1];
-    d[4] = q[2], d[5] = q[3], d[6] = q[4], d[7] = q[5];
-  }
-  int status = tandem_step_rows_f32(M, R, x, ldx, rows, at, NULL, NULL, 0, cos, sin, logits,
-                                    threads);
-  free(rows);
-  return status;
 }
