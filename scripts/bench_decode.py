@@ -131,7 +131,6 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
     read_tok_s = 1 / _read(mats, passes=5)
     print(f"  read:  torch's sum over the same matrices, {read_tok_s * nbytes / 1e9:.1f} GB/s = "
           f"{read_tok_s:.1f} tok/s")
-    window = prompt_len + (rounds * 3 + 2) * (tokens + 1) + 8  # three paths a round
     prompt = torch.randint(0, model.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(1))
     def decoded(on_native: bool, whole: bool = True):
@@ -145,6 +144,7 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
     if native.available():
         paths["layers"] = decoded(True, whole=False)
         paths["native"] = decoded(True)
+    window = prompt_len + (rounds * len(paths) + 2) * (tokens + 1) + 8  # every path a round
     with torch.inference_mode():
         state = model.new_state(window)
         model.forward(state, prompt, 0)

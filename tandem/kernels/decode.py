@@ -26,9 +26,9 @@ B = 2 and 4 decode 2x one sequence's tokens a second. HybridModel.forward_batch 
 sequence's pad row itself, from the embedding on, so that its calls take their two rows as they
 are.
 
-Where tandem.kernels.native builds (fp32 on an AVX-512 CPU with a C compiler: this machine, and
-CI), decode's fp32 matmuls run on it instead: each output's arithmetic is fixed by construction,
-so one call takes any number of rows, the weights are read once a step for the whole batch, and
+Where tandem.kernels.native builds (fp32 on an x86-64 CPU with AVX-512, or AVX2 with FMA, and
+a C compiler), decode's fp32 matmuls run on it instead: each output's arithmetic is fixed by
+construction, so one call takes any number of rows, the weights are read once a step for the whole batch, and
 a lone sequence needs no pad (``block()`` is 1). B = 4 then decodes 3.4x to 3.6x one sequence's
 tokens a second on `tiny` (``scripts/bench_decode.py``), against 2.0x on torch's path.
 
@@ -52,7 +52,8 @@ from tandem.kernels.native import rows_f32 as native_rows
 
 TORCH_BLOCK = 2  # the rows of every torch decode matmul: the most read at the GEMV's rate
 
-# Where the native kernel runs (tandem.kernels.native: fp32 on an AVX-512 CPU with a compiler),
+# Where the native kernel runs (tandem.kernels.native: fp32 on an AVX-512 or AVX2 CPU with a
+# compiler),
 # every row's bits are its own at any number of rows and the weights are read once a step for
 # the whole batch: no pad row, no pairs. _native is None until the first call decides.
 _native: bool | None = None

@@ -1,6 +1,8 @@
-"""Decode's CPU kernels as our own AVX-512 C (``csrc/*.c``: the matmul, the row ops, attention, the
-GDN layer's middle), built once by the machine's C compiler into one library and loaded with
-ctypes.
+"""Decode's CPU kernels as our own C (``csrc/*.c``: the matmul, the row ops, attention, the GDN
+layer's middle) on 16-lane vectors, built once by the machine's C compiler into one library and
+loaded with ctypes: AVX-512 where the CPU has it, else AVX2 with FMA, where ``csrc/simd16.h``
+makes each 16-lane operation of two 8-lane halves, lane for lane the same arithmetic (so the
+same kernels, and a row's bits its own at any batch, on both).
 
 Why our own: a decode step reads every weight once a token, so its rate is the rate its matmuls
 read memory at, and a batched step must give each sequence the bits it gets alone (issue 14).
@@ -15,8 +17,8 @@ once for up to any number of rows: measured on this machine's two cores (fp32, q
 
 A C compiler is on every machine tandem builds on (the CPU torch wheel's install needs none,
 but the Python headers' packages do), and the build takes a second or two; where there is
-none, or the CPU lacks AVX-512, or the build fails, ``available()`` is False and decode keeps
-torch's path, whose bits are its own too. The library links the libgomp torch loaded (the
+none, or the CPU has neither AVX-512 nor AVX2 with FMA, or the build fails, ``available()`` is
+False and decode keeps torch's path, whose bits are its own too. The library links the libgomp torch loaded (the
 same soname), so its parallel regions run on torch's one OpenMP team (tandem/torch_thread.py).
 Built libraries live under ``$XDG_CACHE_HOME/tandem/native`` (else ``~/.cache/tandem/native``,
 else a temporary directory), named by a hash of the sources and headers, the flags and the
@@ -42,8 +44,12 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))  # one library of them all
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
-         "-fPIC", "-shared")
+# -ffp-contract=off: no a * b + c in the C fused by the compiler (only the kernels' own FMAs),
+# so that the two builds' scalar code rounds alike too.
+COMMON = ("-O3", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
+# The instruction set's flags, by build (``flavor()``): the same sources for each.
+ISA = {"avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+       "avx2": ("-mavx2",)}
 LIBS = ("-lm",)  # after the sources: gdn.c's expf, log1pf and sqrtf
 
 _lock = threading.Lock()
@@ -51,9 +57,20 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
-def _cpu_ok() -> bool:
-    return (platform.machine() in ("x86_64", "AMD64")
-            and torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16"))
+def flavor() -> str | None:
+    """The build this CPU runs: "avx512", "avx2" (AVX2 with FMA: torch's AVX2 capability
+    requires both), or None. ``TANDEM_NATIVE_SIMD=avx2`` takes the AVX2 build on an AVX-512
+    CPU too (to compare the two on one machine)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX512", "AVX512_BF16"):
+        return "avx2" if os.environ.get("TANDEM_NATIVE_SIMD") == "avx2" else "avx512"
+    return "avx2" if capability == "AVX2" else None
+
+
+def _flags() -> tuple[str, ...]:
+    return COMMON[:1] + ISA[flavor() or "avx512"] + COMMON[1:]
 
 
 def _cache_dir() -> Path:
@@ -70,7 +87,8 @@ def _compiler() -> str | None:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout.splitlines()[:1]
-    digest = hashlib.sha256(_sources_bytes() + repr((FLAGS, LIBS, version)).encode()).hexdigest()
+    flags = _flags()
+    digest = hashlib.sha256(_sources_bytes() + repr((flags, LIBS, version)).encode()).hexdigest()
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / f"tandem-native-{os.getuid()}"):
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -81,10 +99,10 @@ def _build(cc: str) -> Path:
             return target
         tmp = root / f".{target.name}.{os.getpid()}.tmp"
         try:
-            subprocess.run([cc, *FLAGS, *map(str, SOURCES), *LIBS, "-o", str(tmp)], check=True,
+            subprocess.run([cc, *flags, *map(str, SOURCES), *LIBS, "-o", str(tmp)], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)
-            log.info("native_kernel_built", path=str(target), compiler=cc)
+            log.info("native_kernel_built", path=str(target), compiler=cc, simd=flavor())
             return target
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -128,8 +146,8 @@ def _load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         _tried = True
-        if not _cpu_ok():
-            log.info("native_kernel_off", reason="no AVX-512 on this CPU")
+        if flavor() is None:
+            log.info("native_kernel_off", reason="neither AVX-512 nor AVX2 with FMA on this CPU")
             return None
         cc = _compiler()
         if cc is None:
@@ -163,7 +181,8 @@ def _load() -> ctypes.CDLL | None:
 
 def digest() -> str:
     """The kernel's source hash: what a saved state decoded by it names (a model's manifest)."""
-    return "native:" + hashlib.sha256(_sources_bytes()).hexdigest()[:16]
+    simd = (flavor() or "").encode()  # the builds' scalar code may round otherwise
+    return "native:" + hashlib.sha256(_sources_bytes() + simd).hexdigest()[:16]
 
 
 def available() -> bool:

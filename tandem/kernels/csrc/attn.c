@@ -5,16 +5,15 @@
    writes. The rows run in order, each writing its key and value before it attends, so a
    verify block's row sees the rows before it; a row's arithmetic is its own (batch-invariant
    by construction). Nothing is compiled with -ffast-math. */
-#include <immintrin.h>
 #include <math.h>
 
-#include "lanes.h"
+#include "simd16.h"
 
 static inline float dot(const float *a, const float *b, long d) {
-  __m512 acc = _mm512_setzero_ps();
+  vf16 acc = v_setzero_ps();
   for (long i = 0; i < d; i += 16) {
-    __mmask16 m = tail_mask(d - i);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    mask16 m = tail_mask(d - i);
+    acc = v_fmadd_ps(v_maskz_loadu_ps(m, a + i), v_maskz_loadu_ps(m, b + i), acc);
   }
   return tree1(acc);
 }
@@ -71,12 +70,12 @@ void tandem_attn_rows_f32(const float *qg, long ldqg, const float *k, long ldk, 
       }
       for (long i = 0; i < hd; i++) o[i] = 0.0f;
       for (long j = 0; j <= pos; j++) {
-        __m512 p = _mm512_set1_ps(scores[j]);
+        vf16 p = v_set1_ps(scores[j]);
         const float *vj = vals + j * hd;
         for (long i = 0; i < hd; i += 16) {
-          __mmask16 m = tail_mask(hd - i);
-          _mm512_mask_storeu_ps(o + i, m, _mm512_fmadd_ps(p, _mm512_maskz_loadu_ps(m, vj + i),
-                                                          _mm512_maskz_loadu_ps(m, o + i)));
+          mask16 m = tail_mask(hd - i);
+          v_mask_storeu_ps(o + i, m, v_fmadd_ps(p, v_maskz_loadu_ps(m, vj + i),
+                                                          v_maskz_loadu_ps(m, o + i)));
         }
       }
       const float *gate = head + hd;

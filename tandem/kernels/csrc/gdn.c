@@ -1,7 +1,8 @@
-/* A Gated DeltaNet layer's decode middle for R rows at once, on x86-64 with AVX-512: the causal
-   conv of each row's token on its own tail, the gates, the recurrent step on its own state, and
-   the gated RMS norm, between the layer's in_proj and out_proj matmuls (rows.c). It replaces
-   some hundred small torch ops a layer (HybridModel._gdn_rows's torch path) by one call.
+/* A Gated DeltaNet layer's decode middle for R rows at once, on x86-64 (simd16.h: AVX-512, or
+   AVX2 with FMA): the causal conv of each row's token on its own tail, the gates, the recurrent
+   step on its own state, and the gated RMS norm, between the layer's in_proj and out_proj
+   matmuls (rows.c). It replaces some hundred small torch ops a layer (HybridModel._gdn_rows's
+   torch path) by one call.
 
    Every output is the same arithmetic wherever and with whatever neighbours it is computed: a
    row's work reads only its own inputs, tail and state, each element passes through one fixed
@@ -15,22 +16,21 @@
    advances its state in place; the next position's copy for a verify block's row), so a
    verify row runs the very arithmetic of a decode. Where in and out are the same, every
    element is read before it is written. */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
-#include "lanes.h"
+#include "simd16.h"
 
 
 /* sum of x[i]^2 over n: a 16-lane accumulator in ascending vectors, then the lane tree */
 static inline float sum_squares(const float *x, long n) {
-  __m512 acc = _mm512_setzero_ps();
+  vf16 acc = v_setzero_ps();
   for (long i = 0; i < n; i += 16) {
-    __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    vf16 v = v_maskz_loadu_ps(tail_mask(n - i), x + i);
+    acc = v_fmadd_ps(v, v, acc);
   }
   return tree1(acc);
 }
@@ -38,29 +38,29 @@ static inline float sum_squares(const float *x, long n) {
 /* e^x on 16 lanes: x = n ln2 + r (ln2 in two parts), Cephes' degree-6 polynomial for e^r on
    |r| <= ln2 / 2, then scalef by 2^n. x is clamped first to [-104, 89], past which e^x is 0 and
    inf in fp32 (scalef gives them), so that r stays small; a NaN lane stays NaN. */
-static inline __m512 exp16(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(89.0f), lo = _mm512_set1_ps(-104.0f);
-  __m512 xc = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+static inline vf16 exp16(vf16 x) {
+  const vf16 hi = v_set1_ps(89.0f), lo = v_set1_ps(-104.0f);
+  vf16 xc = v_max_ps(v_min_ps(x, hi), lo);
+  vf16 n = v_roundscale_ps(v_mul_ps(xc, v_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  __m512 e = _mm512_scalef_ps(p, n);
+  vf16 r = v_fnmadd_ps(n, v_set1_ps(0.693359375f), xc);
+  r = v_fnmadd_ps(n, v_set1_ps(-2.12194440e-4f), r);
+  vf16 p = v_set1_ps(1.9875691500e-4f);
+  p = v_fmadd_ps(p, r, v_set1_ps(1.3981999507e-3f));
+  p = v_fmadd_ps(p, r, v_set1_ps(8.3334519073e-3f));
+  p = v_fmadd_ps(p, r, v_set1_ps(4.1665795894e-2f));
+  p = v_fmadd_ps(p, r, v_set1_ps(1.6666665459e-1f));
+  p = v_fmadd_ps(p, r, v_set1_ps(5.0000001201e-1f));
+  p = v_fmadd_ps(p, v_mul_ps(r, r), v_add_ps(r, v_set1_ps(1.0f)));
+  vf16 e = v_scalef_ps(p, n);
   /* the clamp turned a NaN into a bound (min/max return their second operand on NaN) */
-  return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+  return v_mask_mov_ps(e, v_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
 /* x / (1 + e^-x) */
-static inline __m512 silu16(__m512 x) {
-  __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-  return _mm512_div_ps(x, d);
+static inline vf16 silu16(vf16 x) {
+  vf16 d = v_add_ps(v_set1_ps(1.0f), exp16(v_sub_ps(v_setzero_ps(), x)));
+  return v_div_ps(x, d);
 }
 
 /* One row's causal conv with SiLU: y[c] = silu(sum_j full[c, j] w[c, j]) over the K taps of
@@ -70,30 +70,30 @@ static inline __m512 silu16(__m512 x) {
 static void conv_row(const float *x, const float *tail_in, float *tail_out, const float *w,
                      long C, long K, float *y) {
   const long km = K - 1;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i tail_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)km));
-  const __m512i w_at = _mm512_mullo_epi32(lane, _mm512_set1_epi32((int)K));
+  const vi16 lane = v_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const vi16 tail_at = v_mullo_epi32(lane, v_set1_epi32((int)km));
+  const vi16 w_at = v_mullo_epi32(lane, v_set1_epi32((int)K));
   for (long c = 0; c < C; c += 16) {
-    __mmask16 m = tail_mask(C - c);
+    mask16 m = tail_mask(C - c);
     const float *t = tail_in + c * km, *wc = w + c * K;
-    __m512 full[16];
+    vf16 full[16];
     for (long j = 0; j < km; j++)
-      full[j] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
-                                         _mm512_add_epi32(tail_at, _mm512_set1_epi32((int)j)),
+      full[j] = v_mask_i32gather_ps(v_setzero_ps(), m,
+                                         v_add_epi32(tail_at, v_set1_epi32((int)j)),
                                          t, 4);
-    full[km] = _mm512_maskz_loadu_ps(m, x + c);
-    __m512 acc = _mm512_setzero_ps();
+    full[km] = v_maskz_loadu_ps(m, x + c);
+    vf16 acc = v_setzero_ps();
     for (long j = 0; j < K; j++) {
-      __m512 wj = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m,
-                                           _mm512_add_epi32(w_at, _mm512_set1_epi32((int)j)),
+      vf16 wj = v_mask_i32gather_ps(v_setzero_ps(), m,
+                                           v_add_epi32(w_at, v_set1_epi32((int)j)),
                                            wc, 4);
-      acc = j == 0 ? _mm512_mul_ps(full[0], wj) : _mm512_fmadd_ps(full[j], wj, acc);
+      acc = j == 0 ? v_mul_ps(full[0], wj) : v_fmadd_ps(full[j], wj, acc);
     }
     float *to = tail_out + c * km;
     for (long j = 0; j < km; j++)
-      _mm512_mask_i32scatter_ps(to, m, _mm512_add_epi32(tail_at, _mm512_set1_epi32((int)j)),
+      v_mask_i32scatter_ps(to, m, v_add_epi32(tail_at, v_set1_epi32((int)j)),
                                 full[j + 1], 4);
-    _mm512_mask_storeu_ps(y + c, m, silu16(acc));
+    v_mask_storeu_ps(y + c, m, silu16(acc));
   }
 }
 
@@ -101,10 +101,10 @@ static void conv_row(const float *x, const float *tail_in, float *tail_out, cons
 static void l2norm_head(float *x, long d, float eps, float scale, int scaled) {
   float r = 1.0f / sqrtf(sum_squares(x, d) + eps);
   for (long i = 0; i < d; i += 16) {
-    __mmask16 m = tail_mask(d - i);
-    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), _mm512_set1_ps(r));
-    if (scaled) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(x + i, m, v);
+    mask16 m = tail_mask(d - i);
+    vf16 v = v_mul_ps(v_maskz_loadu_ps(m, x + i), v_set1_ps(r));
+    if (scaled) v = v_mul_ps(v, v_set1_ps(scale));
+    v_mask_storeu_ps(x + i, m, v);
   }
 }
 
@@ -138,41 +138,41 @@ static inline void gates(const float *a, const float *b, const float *neg_A, con
    in ascending rows. So S_in may be S_out: pass 2 reads each element before it writes it. */
 static void delta_head(const float *q, const float *k, const float *v, float decay, float beta,
                        const float *s_in, float *s_out, long dk, long dv, float *o) {
-  const __m512 dvec = _mm512_set1_ps(decay), bvec = _mm512_set1_ps(beta);
+  const vf16 dvec = v_set1_ps(decay), bvec = v_set1_ps(beta);
   for (long j0 = 0; j0 < dv; j0 += 16 * JB) {
     long width = dv - j0 < 16 * JB ? dv - j0 : 16 * JB;
     int nv = (int)((width + 15) / 16);
-    __mmask16 m[JB];
-    __m512 acc[JB], delta[JB];
+    mask16 m[JB];
+    vf16 acc[JB], delta[JB];
     for (int u = 0; u < JB; u++) {
       m[u] = u < nv ? tail_mask(width - 16 * u) : 0;
-      acc[u] = _mm512_setzero_ps();
+      acc[u] = v_setzero_ps();
     }
     for (long i = 0; i < dk; i++) {
       const float *row = s_in + i * dv + j0;
-      __m512 ki = _mm512_set1_ps(k[i]);
+      vf16 ki = v_set1_ps(k[i]);
       for (int u = 0; u < nv; u++) {
-        __m512 s = _mm512_mul_ps(dvec, _mm512_maskz_loadu_ps(m[u], row + 16 * u));
-        acc[u] = _mm512_fmadd_ps(ki, s, acc[u]);
+        vf16 s = v_mul_ps(dvec, v_maskz_loadu_ps(m[u], row + 16 * u));
+        acc[u] = v_fmadd_ps(ki, s, acc[u]);
       }
     }
     for (int u = 0; u < nv; u++) {
-      __m512 vv = _mm512_maskz_loadu_ps(m[u], v + j0 + 16 * u);
-      delta[u] = _mm512_mul_ps(_mm512_sub_ps(vv, acc[u]), bvec);
-      acc[u] = _mm512_setzero_ps();
+      vf16 vv = v_maskz_loadu_ps(m[u], v + j0 + 16 * u);
+      delta[u] = v_mul_ps(v_sub_ps(vv, acc[u]), bvec);
+      acc[u] = v_setzero_ps();
     }
     for (long i = 0; i < dk; i++) {
       const float *row = s_in + i * dv + j0;
       float *dst = s_out + i * dv + j0;
-      __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+      vf16 ki = v_set1_ps(k[i]), qi = v_set1_ps(q[i]);
       for (int u = 0; u < nv; u++) {
-        __m512 s = _mm512_mul_ps(dvec, _mm512_maskz_loadu_ps(m[u], row + 16 * u));
-        s = _mm512_fmadd_ps(ki, delta[u], s);
-        _mm512_mask_storeu_ps(dst + 16 * u, m[u], s);
-        acc[u] = _mm512_fmadd_ps(qi, s, acc[u]);
+        vf16 s = v_mul_ps(dvec, v_maskz_loadu_ps(m[u], row + 16 * u));
+        s = v_fmadd_ps(ki, delta[u], s);
+        v_mask_storeu_ps(dst + 16 * u, m[u], s);
+        acc[u] = v_fmadd_ps(qi, s, acc[u]);
       }
     }
-    for (int u = 0; u < nv; u++) _mm512_mask_storeu_ps(o + j0 + 16 * u, m[u], acc[u]);
+    for (int u = 0; u < nv; u++) v_mask_storeu_ps(o + j0 + 16 * u, m[u], acc[u]);
   }
 }
 
@@ -180,11 +180,11 @@ static void delta_head(const float *q, const float *k, const float *v, float dec
 static void gated_norm_head(float *o, const float *z, const float *w, long dv, float eps) {
   float r = 1.0f / sqrtf(sum_squares(o, dv) / (float)dv + eps);
   for (long j = 0; j < dv; j += 16) {
-    __mmask16 m = tail_mask(dv - j);
-    __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, o + j), _mm512_set1_ps(r));
-    x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + j), x);
-    x = _mm512_mul_ps(x, silu16(_mm512_maskz_loadu_ps(m, z + j)));
-    _mm512_mask_storeu_ps(o + j, m, x);
+    mask16 m = tail_mask(dv - j);
+    vf16 x = v_mul_ps(v_maskz_loadu_ps(m, o + j), v_set1_ps(r));
+    x = v_mul_ps(v_maskz_loadu_ps(m, w + j), x);
+    x = v_mul_ps(x, silu16(v_maskz_loadu_ps(m, z + j)));
+    v_mask_storeu_ps(o + j, m, x);
   }
 }
 
@@ -289,16 +289,16 @@ void tandem_gdn_rows_f32(const struct gdn_layer *L, long R, const long *rows, co
 #define LOG_FLOOR -30.0f /* reference.LOG_FLOOR */
 
 /* e^x for x <= 0, x below LOG_FLOOR taken as exactly 0 (reference._floored_exp) */
-static inline __m512 floored_exp16(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(LOG_FLOOR);
-  __mmask16 live = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
-  __m512 e = exp16(_mm512_min_ps(_mm512_max_ps(x, floor), _mm512_setzero_ps()));
-  return _mm512_maskz_mov_ps(live, e);
+static inline vf16 floored_exp16(vf16 x) {
+  const vf16 floor = v_set1_ps(LOG_FLOOR);
+  mask16 live = v_cmp_ps_mask(x, floor, _CMP_GE_OQ);
+  vf16 e = exp16(v_min_ps(v_max_ps(x, floor), v_setzero_ps()));
+  return v_maskz_mov_ps(live, e);
 }
 
 static inline float floored_expf(float x) {
-  __m512 e = floored_exp16(_mm512_set1_ps(x));
-  return _mm_cvtss_f32(_mm512_castps512_ps128(e));
+  vf16 e = floored_exp16(v_set1_ps(x));
+  return v_first(e);
 }
 
 /* One row's conv over the sequence: y[c] = silu(sum_j w[c, j] x_{t-K+1+j}[c]) in ascending j
@@ -307,21 +307,21 @@ static inline float floored_expf(float x) {
 static void conv_seq_row(const float *mixed, long ld, long t, const float *tailT,
                          const float *wT, long C, long K, float *y) {
   for (long c = 0; c < C; c += 16) {
-    __mmask16 m = tail_mask(C - c);
-    __m512 acc = _mm512_setzero_ps();
+    mask16 m = tail_mask(C - c);
+    vf16 acc = v_setzero_ps();
     for (long j = 0; j < K; j++) {
       long src = t - (K - 1) + j;
       const float *xj = src >= 0 ? mixed + src * ld : tailT + (src + K - 1) * C;
-      __m512 xv = _mm512_maskz_loadu_ps(m, xj + c);
-      __m512 wv = _mm512_maskz_loadu_ps(m, wT + j * C + c);
-      acc = j == 0 ? _mm512_mul_ps(xv, wv) : _mm512_fmadd_ps(xv, wv, acc);
+      vf16 xv = v_maskz_loadu_ps(m, xj + c);
+      vf16 wv = v_maskz_loadu_ps(m, wT + j * C + c);
+      acc = j == 0 ? v_mul_ps(xv, wv) : v_fmadd_ps(xv, wv, acc);
     }
-    _mm512_mask_storeu_ps(y + c, m, silu16(acc));
+    v_mask_storeu_ps(y + c, m, silu16(acc));
   }
 }
 
 /* A block of up to 32 columns, ``left`` of them from its first: its two vectors' lanes */
-static inline void two_masks(long left, __mmask16 *m0, __mmask16 *m1) {
+static inline void two_masks(long left, mask16 *m0, mask16 *m1) {
   *m0 = tail_mask(left);
   *m1 = left > 16 ? tail_mask(left - 16) : 0;
 }
@@ -331,16 +331,16 @@ static inline void two_masks(long left, __mmask16 *m0, __mmask16 *m1) {
    b[16:32]}. Four sums in registers (a loop over a variable count of vectors kept them in
    memory, a store and a load on every FMA). */
 static inline void two_sums(const float *xa, const float *xb, long n, const float *R, long ld,
-                            __mmask16 m0, __mmask16 m1, __m512 s[4]) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+                            mask16 m0, mask16 m1, vf16 s[4]) {
+  vf16 a0 = v_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
   for (long r = 0; r < n; r++) {
-    const __m512 a = _mm512_set1_ps(xa[r]), b = _mm512_set1_ps(xb[r]);
+    const vf16 a = v_set1_ps(xa[r]), b = v_set1_ps(xb[r]);
     const float *row = R + r * ld;
-    __m512 x0 = _mm512_maskz_loadu_ps(m0, row), x1 = _mm512_maskz_loadu_ps(m1, row + 16);
-    a0 = _mm512_fmadd_ps(a, x0, a0);
-    a1 = _mm512_fmadd_ps(a, x1, a1);
-    b0 = _mm512_fmadd_ps(b, x0, b0);
-    b1 = _mm512_fmadd_ps(b, x1, b1);
+    vf16 x0 = v_maskz_loadu_ps(m0, row), x1 = v_maskz_loadu_ps(m1, row + 16);
+    a0 = v_fmadd_ps(a, x0, a0);
+    a1 = v_fmadd_ps(a, x1, a1);
+    b0 = v_fmadd_ps(b, x0, b0);
+    b1 = v_fmadd_ps(b, x1, b1);
   }
   s[0] = a0, s[1] = a1, s[2] = b0, s[3] = b1;
 }
@@ -373,75 +373,75 @@ static void chunk_head(const float *y, long Cy, long T, const float *g, const fl
       const float *qi = yi + qoff, *ki = yi + koff, *vi = yi + voff;
       const float bi = beta[(c0 + i) * hv + h];
       /* k_i . k_j and q_i . k_j for the block's columns j, then A and the intra weights */
-      __m512 kk[CH / 16], qk[CH / 16];
-      for (int u = 0; u < CH / 16; u++) kk[u] = qk[u] = _mm512_setzero_ps();
+      vf16 kk[CH / 16], qk[CH / 16];
+      for (int u = 0; u < CH / 16; u++) kk[u] = qk[u] = v_setzero_ps();
       for (long a = 0; a < dk; a++) {
-        const __m512 ka = _mm512_set1_ps(ki[a]), qa = _mm512_set1_ps(qi[a]);
+        const vf16 ka = v_set1_ps(ki[a]), qa = v_set1_ps(qi[a]);
         for (int u = 0; u < CH / 16; u++) {
-          __m512 col = _mm512_loadu_ps(sc->kT + a * CH + 16 * u);
-          kk[u] = _mm512_fmadd_ps(ka, col, kk[u]);
-          qk[u] = _mm512_fmadd_ps(qa, col, qk[u]);
+          vf16 col = v_loadu_ps(sc->kT + a * CH + 16 * u);
+          kk[u] = v_fmadd_ps(ka, col, kk[u]);
+          qk[u] = v_fmadd_ps(qa, col, qk[u]);
         }
       }
-      const __m512 Gi = _mm512_set1_ps(sc->G[i]), bv = _mm512_set1_ps(bi);
+      const vf16 Gi = v_set1_ps(sc->G[i]), bv = v_set1_ps(bi);
       for (int u = 0; u < CH / 16; u++) {
         long j0 = 16 * u;
-        __mmask16 below = j0 >= i ? 0 : tail_mask(i - j0);        /* j < i */
-        __mmask16 upto = j0 > i ? 0 : tail_mask(i + 1 - j0);      /* j <= i */
-        __m512 D = floored_exp16(_mm512_sub_ps(Gi, _mm512_loadu_ps(sc->G + j0)));
-        _mm512_storeu_ps(sc->A + j0, _mm512_maskz_mul_ps(below, _mm512_mul_ps(bv, kk[u]), D));
-        _mm512_storeu_ps(sc->In + j0, _mm512_maskz_mul_ps(upto, qk[u], D));
+        mask16 below = j0 >= i ? 0 : tail_mask(i - j0);        /* j < i */
+        mask16 upto = j0 > i ? 0 : tail_mask(i + 1 - j0);      /* j <= i */
+        vf16 D = floored_exp16(v_sub_ps(Gi, v_loadu_ps(sc->G + j0)));
+        v_storeu_ps(sc->A + j0, v_maskz_mul_ps(below, v_mul_ps(bv, kk[u]), D));
+        v_storeu_ps(sc->In + j0, v_maskz_mul_ps(upto, qk[u], D));
       }
       /* k_i S and q_i S, then v'_i and o_i from the block's rows before it, 32 columns at a
          time */
-      const __m512 eGi = _mm512_set1_ps(sc->eG[i]), Ii = _mm512_set1_ps(sc->In[i]);
+      const vf16 eGi = v_set1_ps(sc->eG[i]), Ii = v_set1_ps(sc->In[i]);
       float *vn = sc->vnew + i * dv, *oi = out + (c0 + i) * ld_out;
       for (long c = 0; c < dv; c += 32) {
-        __mmask16 m[2];
+        mask16 m[2];
         two_masks(dv - c, &m[0], &m[1]);
-        __m512 kq[4], vo[4];
+        vf16 kq[4], vo[4];
         two_sums(ki, qi, dk, S + c, dv, m[0], m[1], kq);
         two_sums(sc->A, sc->In, i, sc->vnew + c, dv, m[0], m[1], vo);
         for (int u = 0; u < 2; u++) {
           long at = c + 16 * u;
-          __m512 r = _mm512_fnmadd_ps(eGi, kq[u], _mm512_maskz_loadu_ps(m[u], vi + at));
-          __m512 x = _mm512_sub_ps(_mm512_mul_ps(bv, r), vo[u]);
-          _mm512_mask_storeu_ps(vn + at, m[u], x);
-          __m512 o = _mm512_fmadd_ps(eGi, kq[2 + u], vo[2 + u]);
-          _mm512_mask_storeu_ps(oi + at, m[u], _mm512_fmadd_ps(Ii, x, o));
+          vf16 r = v_fnmadd_ps(eGi, kq[u], v_maskz_loadu_ps(m[u], vi + at));
+          vf16 x = v_sub_ps(v_mul_ps(bv, r), vo[u]);
+          v_mask_storeu_ps(vn + at, m[u], x);
+          vf16 o = v_fmadd_ps(eGi, kq[2 + u], vo[2 + u]);
+          v_mask_storeu_ps(oi + at, m[u], v_fmadd_ps(Ii, x, o));
         }
       }
     }
     /* the state at the block's end, two of its rows and 32 columns at a time */
     const float last = sc->G[n - 1];
-    const __m512 eL = _mm512_set1_ps(sc->eG[n - 1]);
+    const vf16 eL = v_set1_ps(sc->eG[n - 1]);
     for (long j = 0; j < n; j++) sc->to_end[j] = floored_expf(last - sc->G[j]);
     for (long a = 0; a < dk; a += 2) {
       const int pair = a + 1 < dk;
       const float *k0 = sc->kT + a * CH, *k1 = sc->kT + (a + pair) * CH;
       float *r0 = S + a * dv, *r1 = S + (a + pair) * dv;
       for (long c = 0; c < dv; c += 32) {
-        __mmask16 m0, m1;
+        mask16 m0, m1;
         two_masks(dv - c, &m0, &m1);
-        __m512 s00 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m0, r0 + c));
-        __m512 s01 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m1, r0 + c + 16));
-        __m512 s10 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m0, r1 + c));
-        __m512 s11 = _mm512_mul_ps(eL, _mm512_maskz_loadu_ps(m1, r1 + c + 16));
+        vf16 s00 = v_mul_ps(eL, v_maskz_loadu_ps(m0, r0 + c));
+        vf16 s01 = v_mul_ps(eL, v_maskz_loadu_ps(m1, r0 + c + 16));
+        vf16 s10 = v_mul_ps(eL, v_maskz_loadu_ps(m0, r1 + c));
+        vf16 s11 = v_mul_ps(eL, v_maskz_loadu_ps(m1, r1 + c + 16));
         for (long j = 0; j < n; j++) {
-          const __m512 w0 = _mm512_set1_ps(sc->to_end[j] * k0[j]);
-          const __m512 w1 = _mm512_set1_ps(sc->to_end[j] * k1[j]);
+          const vf16 w0 = v_set1_ps(sc->to_end[j] * k0[j]);
+          const vf16 w1 = v_set1_ps(sc->to_end[j] * k1[j]);
           const float *vj = sc->vnew + j * dv + c;
-          __m512 x0 = _mm512_maskz_loadu_ps(m0, vj), x1 = _mm512_maskz_loadu_ps(m1, vj + 16);
-          s00 = _mm512_fmadd_ps(w0, x0, s00);
-          s01 = _mm512_fmadd_ps(w0, x1, s01);
-          s10 = _mm512_fmadd_ps(w1, x0, s10);
-          s11 = _mm512_fmadd_ps(w1, x1, s11);
+          vf16 x0 = v_maskz_loadu_ps(m0, vj), x1 = v_maskz_loadu_ps(m1, vj + 16);
+          s00 = v_fmadd_ps(w0, x0, s00);
+          s01 = v_fmadd_ps(w0, x1, s01);
+          s10 = v_fmadd_ps(w1, x0, s10);
+          s11 = v_fmadd_ps(w1, x1, s11);
         }
         /* a lone last row (dk odd) computed twice, stored once */
-        _mm512_mask_storeu_ps(r1 + c, m0, s10);
-        _mm512_mask_storeu_ps(r1 + c + 16, m1, s11);
-        _mm512_mask_storeu_ps(r0 + c, m0, s00);
-        _mm512_mask_storeu_ps(r0 + c + 16, m1, s01);
+        v_mask_storeu_ps(r1 + c, m0, s10);
+        v_mask_storeu_ps(r1 + c + 16, m1, s11);
+        v_mask_storeu_ps(r0 + c, m0, s00);
+        v_mask_storeu_ps(r0 + c + 16, m1, s01);
       }
     }
   }

@@ -2,25 +2,24 @@
    loads them; HybridModel's decode step calls them where the native kernels are on). A row's
    result is a function of that row alone: one loop a row, the same for any number of rows, so
    they are batch-invariant by construction. Nothing is compiled with -ffast-math. */
-#include <immintrin.h>
 #include <math.h>
 
-#include "lanes.h"
+#include "simd16.h"
 
 
 /* out = x * rsqrt(mean(x * x) + eps) * gain over one row of d. */
 static inline void rms_row(const float *x, long d, const float *gain, float eps, float *out) {
-  __m512 acc = _mm512_setzero_ps();
+  vf16 acc = v_setzero_ps();
   for (long i = 0; i < d; i += 16) {
-    __m512 v = _mm512_maskz_loadu_ps(tail_mask(d - i), x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    vf16 v = v_maskz_loadu_ps(tail_mask(d - i), x + i);
+    acc = v_fmadd_ps(v, v, acc);
   }
   float r = 1.0f / sqrtf(tree1(acc) / (float)d + eps);
-  __m512 rv = _mm512_set1_ps(r);
+  vf16 rv = v_set1_ps(r);
   for (long i = 0; i < d; i += 16) {
-    __mmask16 m = tail_mask(d - i);
-    __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), rv);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, gain + i)));
+    mask16 m = tail_mask(d - i);
+    vf16 v = v_mul_ps(v_maskz_loadu_ps(m, x + i), rv);
+    v_mask_storeu_ps(out + i, m, v_mul_ps(v, v_maskz_loadu_ps(m, gain + i)));
   }
 }
 
@@ -37,9 +36,9 @@ void tandem_add_rms_rows_f32(const float *x, long ldx, const float *h, long ldh,
   for (long r = 0; r < rows; r++) {
     float *s = sum + r * d;
     for (long i = 0; i < d; i += 16) {
-      __mmask16 m = tail_mask(d - i);
-      _mm512_mask_storeu_ps(s + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, x + r * ldx + i),
-                                                    _mm512_maskz_loadu_ps(m, h + r * ldh + i)));
+      mask16 m = tail_mask(d - i);
+      v_mask_storeu_ps(s + i, m, v_add_ps(v_maskz_loadu_ps(m, x + r * ldx + i),
+                                                    v_maskz_loadu_ps(m, h + r * ldh + i)));
     }
     rms_row(s, d, gain, eps, out + r * d);
   }

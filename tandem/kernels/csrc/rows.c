@@ -1,5 +1,6 @@
-/* Decode's matmul on x86-64 with AVX-512: Y[b, n] = sum_k X[b, k] W[n, k] for B rows at once,
-   the weights read from memory once for all of them (tandem/kernels/native.py builds and loads this file).
+/* Decode's matmul on x86-64 (simd16.h: AVX-512, or AVX2 with FMA): Y[b, n] = sum_k X[b, k]
+   W[n, k] for B rows at once, the weights read from memory once for all of them
+   (tandem/kernels/native.py builds and loads this file).
 
    Every output is the same arithmetic wherever and with whatever neighbours it is computed: one
    16-lane accumulator, FMAs in ascending k (a masked tail last), then the lane tree
@@ -8,34 +9,33 @@
    nothing: a row's result is a function of its own input alone (issue 14's batch invariance),
    by construction rather than by measurement. Float addition commutes, so the tree's operands
    may come in either order; nothing here is compiled with -ffast-math (no reassociation). */
-#include <immintrin.h>
 #include <stdint.h>
 
-#include "lanes.h"
+#include "simd16.h"
 
 
 /* 16 accumulators to one vector of their 16 sums, each by tree1's pairs; lane order PERM. */
-static inline __m512 tree16(const __m512 *a) {
-  __m512 c[8], e[4], g[2];
+static inline vf16 tree16(const vf16 *a) {
+  vf16 c[8], e[4], g[2];
   for (int i = 0; i < 8; i++)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2*i], a[2*i+1], 0x44),
-                         _mm512_shuffle_f32x4(a[2*i], a[2*i+1], 0xEE));
+    c[i] = v_add_ps(v_shuffle_f32x4(a[2*i], a[2*i+1], 0x44),
+                         v_shuffle_f32x4(a[2*i], a[2*i+1], 0xEE));
   for (int i = 0; i < 4; i++)
-    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2*i], c[2*i+1], 0x88),
-                         _mm512_shuffle_f32x4(c[2*i], c[2*i+1], 0xDD));
+    e[i] = v_add_ps(v_shuffle_f32x4(c[2*i], c[2*i+1], 0x88),
+                         v_shuffle_f32x4(c[2*i], c[2*i+1], 0xDD));
   for (int i = 0; i < 2; i++)
-    g[i] = _mm512_add_ps(_mm512_shuffle_ps(e[2*i], e[2*i+1], 0x44),
-                         _mm512_shuffle_ps(e[2*i], e[2*i+1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+    g[i] = v_add_ps(v_shuffle_ps(e[2*i], e[2*i+1], 0x44),
+                         v_shuffle_ps(e[2*i], e[2*i+1], 0xEE));
+  return v_add_ps(v_shuffle_ps(g[0], g[1], 0x88), v_shuffle_ps(g[0], g[1], 0xDD));
 }
 
 static int perm[16];  /* perm[j]: the lane of tree16's result that holds accumulator j's sum */
 __attribute__((constructor)) static void find_perm(void) {
   for (int j = 0; j < 16; j++) {
-    __m512 a[16];
-    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
-    float one[16] = {0}; one[0] = 1.0f; a[j] = _mm512_loadu_ps(one);
-    float out[16]; _mm512_storeu_ps(out, tree16(a));
+    vf16 a[16];
+    for (int i = 0; i < 16; i++) a[i] = v_setzero_ps();
+    float one[16] = {0}; one[0] = 1.0f; a[j] = v_loadu_ps(one);
+    float out[16]; v_storeu_ps(out, tree16(a));
     for (int l = 0; l < 16; l++) if (out[l] == 1.0f) perm[j] = l;
   }
 }
@@ -52,25 +52,25 @@ __attribute__((constructor)) static void find_perm(void) {
    GB/s; rows read in order need none.) */
 #define KERNEL(NAME, R, BB) \
 static inline void NAME(const float *const *xs, const float *W, long K, float *const *ys) { \
-  __m512 acc[16]; \
-  for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps(); \
+  vf16 acc[16]; \
+  for (int j = 0; j < 16; j++) acc[j] = v_setzero_ps(); \
   const long body = K & ~15L; \
-  const __mmask16 m = (__mmask16)((1u << (K - body)) - 1); \
+  const mask16 m = (mask16)((1u << (K - body)) - 1); \
   for (int r = 0; r < R; r++) { \
     const float *row = W + r * K; \
     for (long k = 0; k < body; k += 16) { \
-      __m512 w = _mm512_loadu_ps(row + k); \
+      vf16 w = v_loadu_ps(row + k); \
       for (int b = 0; b < BB; b++) \
-        acc[r * BB + b] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xs[b] + k), acc[r * BB + b]); \
+        acc[r * BB + b] = v_fmadd_ps(w, v_loadu_ps(xs[b] + k), acc[r * BB + b]); \
     } \
     if (body < K) { \
-      __m512 w = _mm512_maskz_loadu_ps(m, row + body); \
+      vf16 w = v_maskz_loadu_ps(m, row + body); \
       for (int b = 0; b < BB; b++) \
-        acc[r * BB + b] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(m, xs[b] + body), \
+        acc[r * BB + b] = v_fmadd_ps(w, v_maskz_loadu_ps(m, xs[b] + body), \
                                           acc[r * BB + b]); \
     } \
   } \
-  float out[16]; _mm512_storeu_ps(out, tree16(acc)); \
+  float out[16]; v_storeu_ps(out, tree16(acc)); \
   for (int r = 0; r < R; r++) for (int b = 0; b < BB; b++) ys[b][r] = out[perm[r * BB + b]]; \
 }
 KERNEL(k16x1, 16, 1)
@@ -84,29 +84,29 @@ KERNEL(k8x2, 8, 2)
    to 10.7. */
 static inline void k8x2_cached(const float *const *xs, const float *W, long K,
                                float *const *ys) {
-  __m512 acc[16];
-  for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+  vf16 acc[16];
+  for (int j = 0; j < 16; j++) acc[j] = v_setzero_ps();
   const long body = K & ~15L;
   for (long k = 0; k < K; k += 16) {
-    const __mmask16 m = k < body ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - body)) - 1);
-    __m512 x0 = _mm512_maskz_loadu_ps(m, xs[0] + k), x1 = _mm512_maskz_loadu_ps(m, xs[1] + k);
+    const mask16 m = k < body ? (mask16)0xFFFF : (mask16)((1u << (K - body)) - 1);
+    vf16 x0 = v_maskz_loadu_ps(m, xs[0] + k), x1 = v_maskz_loadu_ps(m, xs[1] + k);
     for (int r = 0; r < 8; r++) {
-      __m512 w = _mm512_maskz_loadu_ps(m, W + r * K + k);
-      acc[2 * r] = _mm512_fmadd_ps(w, x0, acc[2 * r]);
-      acc[2 * r + 1] = _mm512_fmadd_ps(w, x1, acc[2 * r + 1]);
+      vf16 w = v_maskz_loadu_ps(m, W + r * K + k);
+      acc[2 * r] = v_fmadd_ps(w, x0, acc[2 * r]);
+      acc[2 * r + 1] = v_fmadd_ps(w, x1, acc[2 * r + 1]);
     }
   }
-  float out[16]; _mm512_storeu_ps(out, tree16(acc));
+  float out[16]; v_storeu_ps(out, tree16(acc));
   for (int r = 0; r < 8; r++) for (int b = 0; b < 2; b++) ys[b][r] = out[perm[r * 2 + b]];
 }
 
 static inline float one_row(const float *x, const float *w, long K) {
-  __m512 acc = _mm512_setzero_ps();
+  vf16 acc = v_setzero_ps();
   long k = 0;
-  for (; k + 16 <= K; k += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), acc);
+  for (; k + 16 <= K; k += 16) acc = v_fmadd_ps(v_loadu_ps(w + k), v_loadu_ps(x + k), acc);
   if (k < K) {
-    __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + k), _mm512_maskz_loadu_ps(m, x + k), acc);
+    mask16 m = (mask16)((1u << (K - k)) - 1);
+    acc = v_fmadd_ps(v_maskz_loadu_ps(m, w + k), v_maskz_loadu_ps(m, x + k), acc);
   }
   return tree1(acc);
 }
