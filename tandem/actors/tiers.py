@@ -182,7 +182,7 @@ class ResidentActor(_Lender):
         return ResidentOffered(msg.request_id, r.start, r.source, r.guest, offer.shared,
                                offer.continuing, offer.decisive, holdings.namespace, holdings,
                                slot=placed.slot, placed=placed.why,
-                               guest_ok=guests or len(self.slots) == 1)
+                               guest_ok=placed.guest_ok)
 
     def _all_holdings(self) -> list[Any]:
         return list(self.slots)

@@ -15,13 +15,15 @@ slot holds, made by the resident actor when it answers a job's offer:
 4. else an idle slot: an empty one first, else the least recently used.
 
 A guest (a short prompt beside a long conversation) thus takes an empty side slot and needs no
-stash; it stashes only when it lands in a slot that holds a conversation (no slot was empty). A
-short conversation beside a long one keeps its own slot and resumes at its own end every turn.
-A guest keeps nothing, so a new conversation that found every slot holding a longer one would
-be a guest again on every turn and re-read itself whole: its next turn (a prompt that goes on
-from a recent guest's, ``guests`` False) is no guest, and takes the slot its rule picks, whose
-conversation leaves for the park. With one slot the resident stays protected: a short
-conversation there is a guest every turn, as the spec's single engine has it.
+stash. Where every slot holds a conversation, the least recently used one's leaves for the park
+(as a replaced prompt's does) and the new prompt is no guest there whatever its length: it keeps
+its slot, and resumes at its own end from its next turn. (A guest keeps nothing: stashed over a
+conversation, a new one re-read itself whole at its next turn, 870 tokens a turn in
+scripts/bench_slots.py's figure c.) A short conversation beside a long one thus keeps its own
+slot and resumes at its own end every turn. A guest with several slots is a short prompt placed
+in its own session's slot, over that conversation's stash; its next turn (a prompt that goes on
+from a recent guest's, ``guests`` False) is no guest. With one slot the resident stays
+protected: a short conversation there is a guest every turn, as the spec's single engine has it.
 
 A side request (tandem/server/side.py: Open WebUI's title, tags and follow-ups, often longer
 than the chat they are about) is placed by its own rule, before every other, and runs as a
@@ -71,6 +73,7 @@ class Placement:
     slot: int
     why: Why
     offer: ResidentOffer
+    guest_ok: bool = True  # False: no guest in that slot (the engine's offers again say so)
 
 
 def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
@@ -90,36 +93,55 @@ def place(prompt: Sequence[int], session: str | None, namespace: Namespace,
                                       guest_ok=guest_ok)
               for s in slots}
     if len(slots) == 1:
-        return Placement(slots[0].index, "only", offers[slots[0].index])
+        return Placement(slots[0].index, "only", offers[slots[0].index], guest_ok)
     if side:
         own = [s for s in slots if own_slot and session is not None and s.rows
                and s.holdings.session == session and s.holdings.namespace == namespace]
         best = own[0] if own else _side_slot(slots, session, namespace)
-        return Placement(best.index, "side", offers[best.index])
+        return Placement(best.index, "side", offers[best.index], guest_ok)
     indices = {s.index for s in slots}
     if session is not None:
         for s in slots:
             if s.holdings.session == session and s.holdings.namespace == namespace and s.rows:
-                return Placement(s.index, "session", offers[s.index])
+                return Placement(s.index, "session", offers[s.index], guest_ok)
         if (park_slot in indices and park_session == session and park_point > 0):
-            return Placement(park_slot, "park", offers[park_slot])
+            return _comes_back(park_slot, prompt, namespace, slots, offers)
     continuing = [s for s in slots if s.rows and _continues(offers[s.index], s)]
     if continuing:
         best = max(continuing, key=lambda s: (offers[s.index].resume.start, s.used))
-        return Placement(best.index, "continues", offers[best.index])
+        return Placement(best.index, "continues", offers[best.index], guest_ok)
     if park_slot in indices and park_point > 0:
-        return Placement(park_slot, "park", offers[park_slot])
+        return _comes_back(park_slot, prompt, namespace, slots, offers)
     sharing = [s for s in slots if s.rows and offers[s.index].shared >= chunk
                and 2 * offers[s.index].shared >= len(s.rows)]
     if sharing:
         best = max(sharing, key=lambda s: (offers[s.index].shared, s.used))
-        return Placement(best.index, "shares", offers[best.index])
+        return Placement(best.index, "shares", offers[best.index], guest_ok)
     empty = [s for s in slots if not s.rows and s.holdings.ends.end is None]
     if empty:
         best = min(empty, key=lambda s: (s.used, s.index))
-        return Placement(best.index, "empty", offers[best.index])
+        return Placement(best.index, "empty", offers[best.index], guest_ok)
     best = min(slots, key=lambda s: (s.used, s.index))
-    return Placement(best.index, "lru", offers[best.index])
+    return _no_guest(best, "lru", prompt, namespace, offers)
+
+
+def _no_guest(slot: SlotFacts, why: Why, prompt: list[int], namespace: Namespace,
+              offers: dict[int, ResidentOffer]) -> Placement:
+    """Placed in ``slot`` as no guest: the conversation there leaves (for the park), and this
+    one keeps the slot whatever its length (the engine's offers again say so: guest_ok)."""
+    offer = offers[slot.index]
+    if offer.resume.guest:
+        offer = resident_offer(slot.holdings, prompt, namespace, slot.rows, guest_ok=False)
+    return Placement(slot.index, why, offer, guest_ok=False)
+
+
+def _comes_back(park_slot: int, prompt: list[int], namespace: Namespace,
+                slots: Sequence[SlotFacts], offers: dict[int, ResidentOffer]) -> Placement:
+    """The parked conversation comes back to the slot it left, as no guest: a short one would
+    otherwise be a guest over the conversation that took its place, and the park's end, the
+    resident's offer being decisive, never asked."""
+    return _no_guest(next(s for s in slots if s.index == park_slot), "park", prompt, namespace,
+                     offers)
 
 
 def _side_slot(slots: Sequence[SlotFacts], session: str | None,

@@ -116,26 +116,37 @@ def test_with_every_slot_taken_the_least_recently_used_goes():
     assert (placed.slot, placed.why) == (2, "lru")
 
 
-def test_a_guest_with_every_slot_taken_stashes_in_the_least_recently_used():
+def test_a_short_prompt_with_every_slot_taken_keeps_the_least_recently_used_as_its_own():
+    """Under a quarter of every conversation in place, it would be a guest over any one (and
+    keep nothing); with several slots it takes the least recently used as no guest (that
+    conversation leaves for the park) and says so to the engine's offers (guest_ok). With one
+    slot the resident stays protected: a guest."""
     _, _, held = _slots()
     rows = [_ids(0, 2000), _ids(3000, 2000), _ids(6000, 2000), _ids(9000, 2000)]
-    placed = place(_ids(20000, 40), None, SHARED, _facts(held, rows, used=[4, 2, 1, 3]),
-                   CHUNK)
-    assert (placed.slot, placed.why) == (2, "lru") and placed.offer.resume.guest
+    short = _ids(20000, 40)
+    placed = place(short, None, SHARED, _facts(held, rows, used=[4, 2, 1, 3]), CHUNK)
+    assert (placed.slot, placed.why) == (2, "lru")
+    assert not placed.offer.resume.guest and not placed.guest_ok
+    _, _, one = _slots(1)
+    alone = place(short, None, SHARED, _facts(one, rows[:1]), CHUNK)
+    assert alone.offer.resume.guest and alone.guest_ok
 
 
-def test_a_conversation_going_on_from_a_guest_replaces_the_least_recently_used():
-    """``guests`` False (the prompt goes on from a recent guest's, tandem/actors/tiers.py):
-    the same request is no guest, in the same slot; with one slot the resident stays
-    protected and it is a guest still."""
+def test_a_conversation_going_on_from_a_guest_in_its_sessions_slot_is_no_guest():
+    """A short prompt of the session whose long conversation holds a slot is a guest there
+    (its stash keeps that conversation); ``guests`` False (the prompt goes on from a recent
+    guest's, tandem/actors/tiers.py): the same request is no guest, in the same slot; with one
+    slot the resident stays protected and it is a guest still."""
     _, _, held = _slots()
+    held[1].session = "ses_s"
     rows = [_ids(0, 900), _ids(1000, 900), _ids(2000, 900), _ids(3000, 900)]
     facts = _facts(held, rows, used=[3, 1, 2, 4])
     short = _ids(9000, 40)
-    first = place(short, None, SHARED, facts, CHUNK)
-    again = place(short, None, SHARED, facts, CHUNK, guests=False)
-    assert (first.slot, first.why, first.offer.resume.guest) == (1, "lru", True)
-    assert (again.slot, again.why, again.offer.resume.guest) == (1, "lru", False)
+    first = place(short, "ses_s", SHARED, facts, CHUNK)
+    again = place(short, "ses_s", SHARED, facts, CHUNK, guests=False)
+    assert (first.slot, first.why, first.offer.resume.guest) == (1, "session", True)
+    assert (again.slot, again.why, again.offer.resume.guest) == (1, "session", False)
+    assert first.guest_ok and not again.guest_ok
     _, _, one = _slots(1)
     alone = place(short, None, SHARED, _facts(one, rows[:1]), CHUNK, guests=False)
     assert alone.offer.resume.guest
@@ -151,6 +162,20 @@ def test_the_parked_conversation_comes_back_to_the_slot_it_left():
     placed = place(_ids(7000, 200), "ses_p", SHARED, _facts(held, rows), CHUNK, park_slot=0,
                    park_point=150, park_session="ses_p")
     assert (placed.slot, placed.why) == (0, "park")
+
+
+def test_a_short_parked_conversation_comes_back_as_no_guest():
+    """Under a quarter of the conversation that took its slot, it would be a guest there and
+    the park, behind the resident's decisive offer, never asked: it comes back instead."""
+    _, _, held = _slots()
+    rows = [_ids(0, 2000), _ids(3000, 2000), _ids(6000, 2000), _ids(9000, 2000)]
+    short = _ids(0, 64) + _ids(20000, 60)
+    guest = place(short, None, SHARED, _facts(held, rows, used=[4, 2, 1, 3]), CHUNK)
+    assert guest.why == "lru"
+    placed = place(short, None, SHARED, _facts(held, rows, used=[4, 2, 1, 3]), CHUNK,
+                   park_slot=0, park_point=120)
+    assert (placed.slot, placed.why) == (0, "park")
+    assert not placed.offer.resume.guest and not placed.offer.decisive and not placed.guest_ok
 
 
 def test_the_slots_share_one_budget_and_each_counts_its_part():

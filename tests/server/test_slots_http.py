@@ -104,29 +104,30 @@ async def test_a_short_conversation_beside_a_long_one_resumes_at_its_end_every_t
     assert resident["guests"] == 0 and resident["stash_bytes"] == 0
 
 
-async def test_a_new_conversation_with_every_slot_held_is_a_guest_once_then_keeps_a_slot(
+async def test_a_new_conversation_with_every_slot_held_keeps_a_slot_from_its_first_turn(
         small_loaded, make_config, serve, sdk):
-    """Four long conversations hold the four slots; a short new one lands in the least recently
-    used as a guest (it keeps nothing). Its next turn goes on from that guest's prompt: no
-    guest, it takes the least recently used slot then (B's: B leaves for the park) and from
-    the turn after resumes at its own end. Greedy gate against a server that forwards every
-    prompt cold. Before, every turn of it was a guest and re-read the whole conversation."""
+    """Four long conversations hold the four slots; a short new one takes the least recently
+    used (A's: A leaves for the park) as no guest, and resumes at its own end from its next
+    turn on. Greedy gate against a server that forwards every prompt cold. Before, its first
+    turn was a guest that kept nothing and its second re-read the whole conversation."""
     slots, stats = await _both(small_loaded, make_config, serve, sdk, "ABCDSASCS",
                                lambda name: ("Hi there." if name == "S"
                                              else _words(ord(name), 400)),
                                lambda name, turn: f"More {turn} for {name}.")
     short = [_cache(resp) for name, turn, resp in slots if name == "S"]
-    # a guest in A's slot, from the grid line of the system text they share
-    assert short[0]["source"] in ("resident", "cold") and short[0]["slot"] == 0, short[0]
-    # B's slot, kept (whatever it resumed from: the state store's snapshot of its first turn)
-    assert short[1]["slot"] == 1, short[1]
-    assert short[2]["source"] == "end" and short[2]["slot"] == 1, short[2]
-    assert short[2]["reread"] < 30, short[2]  # the new line, not the history
+    # A's slot (the least recently used), from the grid line of the system text they share
+    assert short[0]["source"] == "resident" and short[0]["slot"] == 0, short[0]
+    # A came back from the park to the slot it left, S left for the park and came back at its
+    # end; then S resumes at its end in place
+    assert [(c["source"], c["slot"]) for c in short[1:]] == [("park", 0), ("end", 0)], short
+    assert all(c["reread"] < 30 for c in short[1:]), short  # the new line, not the history
+    back = [_cache(resp) for name, turn, resp in slots if name == "A" and turn]
+    assert back[0]["source"] == "park" and back[0]["reread"] < 30, back
     for name, turn, resp in slots:
-        if name in "AC" and turn:  # the long ones in place resume at their end
+        if name == "C" and turn:  # the long ones in place resume at their end
             assert _cache(resp)["source"] == "end", (name, _cache(resp))
-    assert stats["tiers"]["resident"]["guests"] == 1
-    assert stats["owners"]["park"]["parks"] == 1  # B left slot 1 for the park
+    resident = stats["tiers"]["resident"]
+    assert resident["guests"] == 0 and resident["stash_bytes"] == 0
 
 
 async def test_one_slot_serves_the_short_conversation_as_a_guest_that_keeps_nothing(
