@@ -81,7 +81,7 @@ def engine_device(config) -> torch.device:
     ``native_kernels``, before any model is read; a device the machine lacks is a ConfigError
     that names the knob (the CLI prints it and exits 2)."""
     from tandem.config import KNOBS, ConfigError
-    from tandem.kernels import decode
+    from tandem.kernels import decode, native
 
     try:
         device = resolve_device(config.engine.device)
@@ -89,5 +89,6 @@ def engine_device(config) -> torch.device:
         raise ConfigError(f"{exc} (knob {KNOBS['device'].spellings()})") from None
     on = decode.set_native(config.engine.native_kernels)
     structlog.get_logger(__name__).info("decode_kernels", kernels="native" if on else "torch",
+                                        simd=native.flavor() if on else None,
                                         asked=config.engine.native_kernels)
     return device

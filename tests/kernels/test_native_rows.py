@@ -164,3 +164,27 @@ def test_a_damaged_cached_library_is_deleted_and_built_again(monkeypatch, tmp_pa
     out = torch.empty(2, 30)
     lib.tandem_rows_f32(x.data_ptr(), 20, 2, w.data_ptr(), 30, 20, out.data_ptr(), 30, 1)
     assert torch.allclose(out, x @ w.T, atol=1e-5)
+
+
+def test_the_build_follows_the_cpu_and_its_digest_names_it(monkeypatch):
+    """AVX-512 takes the AVX-512 build unless TANDEM_NATIVE_SIMD asks for AVX2; AVX2 takes
+    AVX2's; anything else none. A state decoded by one build names it (the digest), so the
+    other's is never taken for it."""
+    for capability, env, want in (("AVX512", None, "avx512"), ("AVX512", "avx2", "avx2"),
+                                  ("AVX512_BF16", None, "avx512"), ("AVX2", None, "avx2"),
+                                  ("AVX2", "avx512", "avx2"), ("DEFAULT", None, None)):
+        monkeypatch.setattr(native.torch.backends.cpu, "get_cpu_capability",
+                            lambda c=capability: c)
+        if env is None:
+            monkeypatch.delenv("TANDEM_NATIVE_SIMD", raising=False)
+        else:
+            monkeypatch.setenv("TANDEM_NATIVE_SIMD", env)
+        assert native.flavor() == want, (capability, env)
+    digests = set()
+    for capability in ("AVX512", "AVX2"):
+        monkeypatch.setattr(native.torch.backends.cpu, "get_cpu_capability",
+                            lambda c=capability: c)
+        monkeypatch.delenv("TANDEM_NATIVE_SIMD", raising=False)
+        digests.add(native.digest())
+        assert native.ISA[native.flavor()][0] in native._flags()
+    assert len(digests) == 2
