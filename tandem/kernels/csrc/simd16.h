@@ -134,13 +134,16 @@ TANDEM_INLINE vf16 v_maskz_mov_ps(mask16 m, vf16 a) {
 TANDEM_INLINE vf16 v_maskz_mul_ps(mask16 m, vf16 a, vf16 b) {
   return v_maskz_mov_ps(m, v_mul_ps(a, b));
 }
-/* the lanes where a PRED b (a _CMP_ constant) */
-#define v_cmp_ps_mask(A, B, PRED) \
-  ((mask16)(_mm256_movemask_ps(_mm256_cmp_ps((A).lo, (B).lo, (PRED))) \
-            | (_mm256_movemask_ps(_mm256_cmp_ps((A).hi, (B).hi, (PRED))) << 8)))
+/* the lanes where a PRED b (a _CMP_ constant; macros, as the immediates must be constants,
+   each argument evaluated once) */
+#define v_cmp_ps_mask(A, B, PRED) ({ \
+  const vf16 a_ = (A), b_ = (B); \
+  (mask16)(_mm256_movemask_ps(_mm256_cmp_ps(a_.lo, b_.lo, (PRED))) \
+           | (_mm256_movemask_ps(_mm256_cmp_ps(a_.hi, b_.hi, (PRED))) << 8)); })
 /* rounded to an integer (IMM's rounding, no scale: its high four bits are 0 here) */
-#define v_roundscale_ps(A, IMM) \
-  V2(_mm256_round_ps((A).lo, (IMM)), _mm256_round_ps((A).hi, (IMM)))
+#define v_roundscale_ps(A, IMM) ({ \
+  const vf16 a_ = (A); \
+  V2(_mm256_round_ps(a_.lo, (IMM)), _mm256_round_ps(a_.hi, (IMM))); })
 
 /* a * 2^n for integral n (exp16's, |n| <= 150): AVX-512's scalef rounds a * 2^n once. Here two
    multiplications, by 2^floor(n/2) and 2^(n - floor(n/2)), each a normal float: the first is
@@ -157,8 +160,9 @@ TANDEM_INLINE __m256 scalef8(__m256 a, __m256 n) {
 TANDEM_INLINE vf16 v_scalef_ps(vf16 a, vf16 n) { return V2(scalef8(a.lo, n.lo), scalef8(a.hi, n.hi)); }
 
 /* within each 128-bit quarter, as AVX-512's: the halves' quarters take the same IMM */
-#define v_shuffle_ps(A, B, IMM) \
-  V2(_mm256_shuffle_ps((A).lo, (B).lo, (IMM)), _mm256_shuffle_ps((A).hi, (B).hi, (IMM)))
+#define v_shuffle_ps(A, B, IMM) ({ \
+  const vf16 a_ = (A), b_ = (B); \
+  V2(_mm256_shuffle_ps(a_.lo, b_.lo, (IMM)), _mm256_shuffle_ps(a_.hi, b_.hi, (IMM))); })
 
 /* quarter i (0-3) of a */
 TANDEM_INLINE __m128 quarter(vf16 a, int i) {
