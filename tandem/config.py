@@ -130,10 +130,10 @@ class EngineConfig(_Section):
         ))] = "auto"
     native_kernels: Annotated[bool, Meta(description=(
         "Decode's fp32 CPU work (matmuls, norms, attention) and a prefill's Gated DeltaNet "
-        "middle (conv, gates, chunked delta rule, gated norm) on tandem's own "
-        "kernels (AVX-512, else AVX2 with FMA), built by the machine's C compiler at first use, where they build; off keeps "
-        "torch's ops. The two round differently; each gives a row the same bits in any batch "
-        "and a resumed prefill a cold one's."
+        "middle (conv, gates, chunked delta rule, gated norm) on tandem's own kernels "
+        "(AVX-512, else AVX2 with FMA), built by the machine's C compiler at first use, where "
+        "they build; off keeps torch's ops. The two round differently; each gives a row the "
+        "same bits in any batch and a resumed prefill a cold one's."
         ))] = True
     device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
         "Where the engine runs: auto (the first CUDA device when torch sees one, else the "

@@ -28,9 +28,10 @@ are.
 
 Where tandem.kernels.native builds (fp32 on an x86-64 CPU with AVX-512, or AVX2 with FMA, and
 a C compiler), decode's fp32 matmuls run on it instead: each output's arithmetic is fixed by
-construction, so one call takes any number of rows, the weights are read once a step for the whole batch, and
-a lone sequence needs no pad (``block()`` is 1). B = 4 then decodes 3.4x to 3.6x one sequence's
-tokens a second on `tiny` (``scripts/bench_decode.py``), against 2.0x on torch's path.
+construction, so one call takes any number of rows, the weights are read once a step for the
+whole batch, and a lone sequence needs no pad (``block()`` is 1). B = 4 then decodes 3.4x to
+3.6x one sequence's tokens a second on `tiny` (``scripts/bench_decode.py``), against 2.0x on
+torch's path.
 
 A lone token's step on `tiny` spends more in per-call overhead (about 1 us a torch call, some
 600 calls) than in its layers' weights, so these kernels and the model's step take the fewest
@@ -53,9 +54,8 @@ from tandem.kernels.native import rows_f32 as native_rows
 TORCH_BLOCK = 2  # the rows of every torch decode matmul: the most read at the GEMV's rate
 
 # Where the native kernel runs (tandem.kernels.native: fp32 on an AVX-512 or AVX2 CPU with a
-# compiler),
-# every row's bits are its own at any number of rows and the weights are read once a step for
-# the whole batch: no pad row, no pairs. _native is None until the first call decides.
+# compiler), every row's bits are its own at any number of rows and the weights are read once a
+# step for the whole batch: no pad row, no pairs. _native is None until the first call decides.
 _native: bool | None = None
 
 

@@ -18,8 +18,9 @@ once for up to any number of rows: measured on this machine's two cores (fp32, q
 A C compiler is on every machine tandem builds on (the CPU torch wheel's install needs none,
 but the Python headers' packages do), and the build takes a second or two; where there is
 none, or the CPU has neither AVX-512 nor AVX2 with FMA, or the build fails, ``available()`` is
-False and decode keeps torch's path, whose bits are its own too. The library links the libgomp torch loaded (the
-same soname), so its parallel regions run on torch's one OpenMP team (tandem/torch_thread.py).
+False and decode keeps torch's path, whose bits are its own too. The library links the libgomp
+torch loaded (the same soname), so its parallel regions run on torch's one OpenMP team
+(tandem/torch_thread.py).
 Built libraries live under ``$XDG_CACHE_HOME/tandem/native`` (else ``~/.cache/tandem/native``,
 else a temporary directory), named by a hash of the sources and headers, the flags and the
 compiler, and written by rename so that processes building at once never load half a file; one
@@ -70,7 +71,8 @@ def flavor() -> str | None:
 
 
 def _flags() -> tuple[str, ...]:
-    return COMMON[:1] + ISA[flavor() or "avx512"] + COMMON[1:]
+    """The compiler's flags for this CPU's build (``flavor()`` is not None)."""
+    return COMMON + ISA[flavor()]
 
 
 def _cache_dir() -> Path:

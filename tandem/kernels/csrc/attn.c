@@ -75,7 +75,7 @@ void tandem_attn_rows_f32(const float *qg, long ldqg, const float *k, long ldk, 
         for (long i = 0; i < hd; i += 16) {
           mask16 m = tail_mask(hd - i);
           v_mask_storeu_ps(o + i, m, v_fmadd_ps(p, v_maskz_loadu_ps(m, vj + i),
-                                                          v_maskz_loadu_ps(m, o + i)));
+                                                v_maskz_loadu_ps(m, o + i)));
         }
       }
       const float *gate = head + hd;

@@ -42,7 +42,7 @@ static inline vf16 exp16(vf16 x) {
   const vf16 hi = v_set1_ps(89.0f), lo = v_set1_ps(-104.0f);
   vf16 xc = v_max_ps(v_min_ps(x, hi), lo);
   vf16 n = v_roundscale_ps(v_mul_ps(xc, v_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   vf16 r = v_fnmadd_ps(n, v_set1_ps(0.693359375f), xc);
   r = v_fnmadd_ps(n, v_set1_ps(-2.12194440e-4f), r);
   vf16 p = v_set1_ps(1.9875691500e-4f);
@@ -79,20 +79,18 @@ static void conv_row(const float *x, const float *tail_in, float *tail_out, cons
     vf16 full[16];
     for (long j = 0; j < km; j++)
       full[j] = v_mask_i32gather_ps(v_setzero_ps(), m,
-                                         v_add_epi32(tail_at, v_set1_epi32((int)j)),
-                                         t, 4);
+                                    v_add_epi32(tail_at, v_set1_epi32((int)j)), t, 4);
     full[km] = v_maskz_loadu_ps(m, x + c);
     vf16 acc = v_setzero_ps();
     for (long j = 0; j < K; j++) {
       vf16 wj = v_mask_i32gather_ps(v_setzero_ps(), m,
-                                           v_add_epi32(w_at, v_set1_epi32((int)j)),
-                                           wc, 4);
+                                    v_add_epi32(w_at, v_set1_epi32((int)j)), wc, 4);
       acc = j == 0 ? v_mul_ps(full[0], wj) : v_fmadd_ps(full[j], wj, acc);
     }
     float *to = tail_out + c * km;
     for (long j = 0; j < km; j++)
       v_mask_i32scatter_ps(to, m, v_add_epi32(tail_at, v_set1_epi32((int)j)),
-                                full[j + 1], 4);
+                           full[j + 1], 4);
     v_mask_storeu_ps(y + c, m, silu16(acc));
   }
 }

@@ -38,7 +38,7 @@ void tandem_add_rms_rows_f32(const float *x, long ldx, const float *h, long ldh,
     for (long i = 0; i < d; i += 16) {
       mask16 m = tail_mask(d - i);
       v_mask_storeu_ps(s + i, m, v_add_ps(v_maskz_loadu_ps(m, x + r * ldx + i),
-                                                    v_maskz_loadu_ps(m, h + r * ldh + i)));
+                                          v_maskz_loadu_ps(m, h + r * ldh + i)));
     }
     rms_row(s, d, gain, eps, out + r * d);
   }

@@ -19,13 +19,13 @@ static inline vf16 tree16(const vf16 *a) {
   vf16 c[8], e[4], g[2];
   for (int i = 0; i < 8; i++)
     c[i] = v_add_ps(v_shuffle_f32x4(a[2*i], a[2*i+1], 0x44),
-                         v_shuffle_f32x4(a[2*i], a[2*i+1], 0xEE));
+                    v_shuffle_f32x4(a[2*i], a[2*i+1], 0xEE));
   for (int i = 0; i < 4; i++)
     e[i] = v_add_ps(v_shuffle_f32x4(c[2*i], c[2*i+1], 0x88),
-                         v_shuffle_f32x4(c[2*i], c[2*i+1], 0xDD));
+                    v_shuffle_f32x4(c[2*i], c[2*i+1], 0xDD));
   for (int i = 0; i < 2; i++)
     g[i] = v_add_ps(v_shuffle_ps(e[2*i], e[2*i+1], 0x44),
-                         v_shuffle_ps(e[2*i], e[2*i+1], 0xEE));
+                    v_shuffle_ps(e[2*i], e[2*i+1], 0xEE));
   return v_add_ps(v_shuffle_ps(g[0], g[1], 0x88), v_shuffle_ps(g[0], g[1], 0xDD));
 }
 
@@ -67,7 +67,7 @@ static inline void NAME(const float *const *xs, const float *W, long K, float *c
       vf16 w = v_maskz_loadu_ps(m, row + body); \
       for (int b = 0; b < BB; b++) \
         acc[r * BB + b] = v_fmadd_ps(w, v_maskz_loadu_ps(m, xs[b] + body), \
-                                          acc[r * BB + b]); \
+                                     acc[r * BB + b]); \
     } \
   } \
   float out[16]; v_storeu_ps(out, tree16(acc)); \

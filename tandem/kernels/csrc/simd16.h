@@ -157,7 +157,9 @@ TANDEM_INLINE __m256 scalef8(__m256 a, __m256 n) {
   __m256 p2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
   return _mm256_mul_ps(_mm256_mul_ps(a, p1), p2);
 }
-TANDEM_INLINE vf16 v_scalef_ps(vf16 a, vf16 n) { return V2(scalef8(a.lo, n.lo), scalef8(a.hi, n.hi)); }
+TANDEM_INLINE vf16 v_scalef_ps(vf16 a, vf16 n) {
+  return V2(scalef8(a.lo, n.lo), scalef8(a.hi, n.hi));
+}
 
 /* within each 128-bit quarter, as AVX-512's: the halves' quarters take the same IMM */
 #define v_shuffle_ps(A, B, IMM) ({ \
