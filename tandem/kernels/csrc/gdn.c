@@ -343,15 +343,59 @@ static inline void two_sums(const float *xa, const float *xb, long n, const floa
   s[0] = a0, s[1] = a1, s[2] = b0, s[3] = b1;
 }
 
-/* A head's scratch: the block's keys as columns [dk, CH], its new values [CH, dv], the block's
-   running decays, their exponentials, the state's weights and a row's A and intra weights. */
+/* A head's scratch: the block's keys as columns [dk, CH], its new values [CH, dv], each row's A
+   and intra weights over the block's columns [CH, CH], the block's running decays, their
+   exponentials and the state's weights. */
 struct head_scratch {
-  float *kT, *vnew;
-  float G[CH], eG[CH], to_end[CH], A[CH], In[CH];
+  float *kT, *vnew, *A, *In;
+  float G[CH], eG[CH], to_end[CH];
 };
 
+/* Vectors of a row's k.k and q.k sums kept in registers at once: AVX-512's 32 registers hold
+   the block's four of each; AVX2's 16 (two a vector) hold two of each, so its rows take the
+   block's columns in two passes (the same FMAs, each sum's in the same order). */
+#ifdef __AVX512F__
+#define KQ_SPAN 4
+#else
+#define KQ_SPAN 2
+#endif
+
+/* Row i's A (beta_i k_i . k_j e^(G_i - G_j), j < i) and intra weights (q_i . k_j e^(G_i - G_j),
+   j <= i) over the block's columns j, the sums over a in ascending order. */
+static void row_weights(const float *qi, const float *ki, float bi, long i, long dk,
+                        const struct head_scratch *sc, float *A, float *In) {
+  const vf16 Gi = v_set1_ps(sc->G[i]), bv = v_set1_ps(bi);
+  for (int u0 = 0; u0 < CH / 16; u0 += KQ_SPAN) {
+    vf16 kk[KQ_SPAN], qk[KQ_SPAN];
+    for (int u = 0; u < KQ_SPAN; u++) kk[u] = qk[u] = v_setzero_ps();
+    for (long a = 0; a < dk; a++) {
+      const vf16 ka = v_set1_ps(ki[a]), qa = v_set1_ps(qi[a]);
+      const float *col = sc->kT + a * CH + 16 * u0;
+      for (int u = 0; u < KQ_SPAN; u++) {
+        vf16 x = v_loadu_ps(col + 16 * u);
+        kk[u] = v_fmadd_ps(ka, x, kk[u]);
+        qk[u] = v_fmadd_ps(qa, x, qk[u]);
+      }
+    }
+    for (int u = 0; u < KQ_SPAN; u++) {
+      long j0 = 16 * (u0 + u);
+      mask16 below = j0 >= i ? 0 : tail_mask(i - j0);        /* j < i */
+      mask16 upto = j0 > i ? 0 : tail_mask(i + 1 - j0);      /* j <= i */
+      vf16 D = floored_exp16(v_sub_ps(Gi, v_loadu_ps(sc->G + j0)));
+      v_storeu_ps(A + j0, v_maskz_mul_ps(below, v_mul_ps(bv, kk[u]), D));
+      v_storeu_ps(In + j0, v_maskz_mul_ps(upto, qk[u], D));
+    }
+  }
+}
+
 /* One head over T rows: y [T, Cy] (the conv's output, q and k normalised), g, beta [T, hv],
-   S [dk, dv] in place, out rows [dv] ld_out apart (before the norm). */
+   S [dk, dv] in place, out rows [dv] ld_out apart (before the norm).
+
+   A block's rows take their new values and outputs 32 columns at a time, every row for one
+   block of columns before the next: a column of v'_i and o_i reads the state's and the earlier
+   rows' same column only, so the order of the two loops changes no sum, and the state's 32
+   columns (dk rows of them, 16 KB at dk 128) stay in the L1 cache through the block's rows,
+   where a row's sweep over the whole state (64 KB) read it again from L2 for every row. */
 static void chunk_head(const float *y, long Cy, long T, const float *g, const float *beta,
                        long hv, long h, long qoff, long koff, long voff, long dk, long dv,
                        float *S, float *out, long ld_out, struct head_scratch *sc) {
@@ -368,38 +412,22 @@ static void chunk_head(const float *y, long Cy, long T, const float *g, const fl
         sc->kT[a * CH + i] = i < n ? y[(c0 + i) * Cy + koff + a] : 0.0f;
     for (long i = 0; i < n; i++) {
       const float *yi = y + (c0 + i) * Cy;
-      const float *qi = yi + qoff, *ki = yi + koff, *vi = yi + voff;
-      const float bi = beta[(c0 + i) * hv + h];
-      /* k_i . k_j and q_i . k_j for the block's columns j, then A and the intra weights */
-      vf16 kk[CH / 16], qk[CH / 16];
-      for (int u = 0; u < CH / 16; u++) kk[u] = qk[u] = v_setzero_ps();
-      for (long a = 0; a < dk; a++) {
-        const vf16 ka = v_set1_ps(ki[a]), qa = v_set1_ps(qi[a]);
-        for (int u = 0; u < CH / 16; u++) {
-          vf16 col = v_loadu_ps(sc->kT + a * CH + 16 * u);
-          kk[u] = v_fmadd_ps(ka, col, kk[u]);
-          qk[u] = v_fmadd_ps(qa, col, qk[u]);
-        }
-      }
-      const vf16 Gi = v_set1_ps(sc->G[i]), bv = v_set1_ps(bi);
-      for (int u = 0; u < CH / 16; u++) {
-        long j0 = 16 * u;
-        mask16 below = j0 >= i ? 0 : tail_mask(i - j0);        /* j < i */
-        mask16 upto = j0 > i ? 0 : tail_mask(i + 1 - j0);      /* j <= i */
-        vf16 D = floored_exp16(v_sub_ps(Gi, v_loadu_ps(sc->G + j0)));
-        v_storeu_ps(sc->A + j0, v_maskz_mul_ps(below, v_mul_ps(bv, kk[u]), D));
-        v_storeu_ps(sc->In + j0, v_maskz_mul_ps(upto, qk[u], D));
-      }
-      /* k_i S and q_i S, then v'_i and o_i from the block's rows before it, 32 columns at a
-         time */
-      const vf16 eGi = v_set1_ps(sc->eG[i]), Ii = v_set1_ps(sc->In[i]);
-      float *vn = sc->vnew + i * dv, *oi = out + (c0 + i) * ld_out;
-      for (long c = 0; c < dv; c += 32) {
-        mask16 m[2];
-        two_masks(dv - c, &m[0], &m[1]);
+      row_weights(yi + qoff, yi + koff, beta[(c0 + i) * hv + h], i, dk, sc, sc->A + i * CH,
+                  sc->In + i * CH);
+    }
+    /* k_i S and q_i S, then v'_i and o_i from the block's rows before it */
+    for (long c = 0; c < dv; c += 32) {
+      mask16 m[2];
+      two_masks(dv - c, &m[0], &m[1]);
+      for (long i = 0; i < n; i++) {
+        const float *yi = y + (c0 + i) * Cy;
+        const float *qi = yi + qoff, *ki = yi + koff, *vi = yi + voff;
+        const vf16 bv = v_set1_ps(beta[(c0 + i) * hv + h]);
+        const vf16 eGi = v_set1_ps(sc->eG[i]), Ii = v_set1_ps(sc->In[i * CH + i]);
+        float *vn = sc->vnew + i * dv, *oi = out + (c0 + i) * ld_out;
         vf16 kq[4], vo[4];
         two_sums(ki, qi, dk, S + c, dv, m[0], m[1], kq);
-        two_sums(sc->A, sc->In, i, sc->vnew + c, dv, m[0], m[1], vo);
+        two_sums(sc->A + i * CH, sc->In + i * CH, i, sc->vnew + c, dv, m[0], m[1], vo);
         for (int u = 0; u < 2; u++) {
           long at = c + 16 * u;
           vf16 r = v_fnmadd_ps(eGi, kq[u], v_maskz_loadu_ps(m[u], vi + at));
@@ -457,7 +485,7 @@ int tandem_gdn_prefill_f32(const struct gdn_layer *L, long T, const float *mixed
   const long hk = L->hk, hv = L->hv, dk = L->dk, dv = L->dv, K = L->K;
   const long kd = hk * dk, C = 2 * kd + hv * dv, ratio = hv / hk, km = K - 1;
   if (T <= 0) return 0;
-  size_t head_floats = (size_t)(dk * CH + CH * dv);
+  size_t head_floats = (size_t)(dk * CH + CH * dv + 2 * CH * CH);
   size_t floats = (size_t)(T * C + 2 * T * hv + (km + K) * C) + (size_t)hv * head_floats;
   float *buf = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
   if (buf == NULL) return -1;
@@ -489,6 +517,8 @@ int tandem_gdn_prefill_f32(const struct gdn_layer *L, long T, const float *mixed
       float *mine = heads + (size_t)h * head_floats;
       sc.kT = mine;
       sc.vnew = sc.kT + dk * CH;
+      sc.A = sc.vnew + CH * dv;
+      sc.In = sc.A + CH * CH;
       long g = h / ratio;
       chunk_head(y, C, T, gl, bt, hv, h, g * dk, kd + g * dk, 2 * kd + h * dv, dk, dv,
                  state + h * dk * dv, out + h * dv, ld_out, &sc);
