@@ -69,7 +69,8 @@ def _proj(model, key: str, keep: list) -> _Proj | None:
 class _Model(ctypes.Structure):
     _fields_ = [("layers", _L), ("D", _L), ("vocab", _L), ("layer", ctypes.POINTER(_Layer)),
                 ("final_norm", _P), ("head", _P), ("eps", _F), ("width", _L), ("middle", _L),
-                ("conv_slot", _L), ("state_slot", _L)]  # step.c's struct step_model
+                ("conv_slot", _L), ("state_slot", _L), ("head_q", _P), ("head_scale", _P),
+                ("head_radius", _P), ("head_wmax", _F)]  # step.c's struct step_model
 
 
 def _fp32_runs(*tensors: torch.Tensor | None) -> bool:
@@ -99,6 +100,23 @@ class NativeStep:
                              model._eps_value, width, middle, conv_slot, state_slot)
         self._ref = ctypes.byref(self._model)
         self._kv = (len(model.attn_layers), c.num_key_value_heads, c.head_dim)
+        self._screen = None
+
+    def set_screen(self, screen) -> None:
+        """The head's screen (tandem.kernels.screen.HeadScreen, kept alive here), or None: a
+        row asked for its greedy token alone (``choose``) then gets it from the screen."""
+        self._screen = screen
+        m = self._model
+        if screen is None:
+            m.head_q = m.head_scale = m.head_radius = None
+            m.head_wmax = 0.0
+        else:
+            m.head_q, m.head_scale = screen.q.data_ptr(), screen.scale.data_ptr()
+            m.head_radius, m.head_wmax = screen.radius.data_ptr(), screen.wmax
+
+    @property
+    def screens(self) -> bool:
+        return self._screen is not None
 
     @classmethod
     def build(cls, model) -> "NativeStep | None":
@@ -170,16 +188,21 @@ class NativeStep:
         return True
 
     def __call__(self, x: torch.Tensor, states, positions: list[int], cos: torch.Tensor,
-                 sin: torch.Tensor) -> torch.Tensor:
+                 sin: torch.Tensor, choose: list[bool] | None = None
+                 ) -> torch.Tensor | tuple[torch.Tensor, list[int]]:
         """The step's logits [R, vocab] fp32 for embedding rows x [R, D] (rows contiguous), row
         r of sequence ``states[r]`` at ``positions[r]``, its rotary cos and sin [R, rd] (sin's
         first half negated, as HybridModel._step_rope gives them); each sequence's tails,
-        states and rows are advanced in place (``fits`` first)."""
+        states and rows are advanced in place (``fits`` first).
+
+        With ``choose`` (and a screen): also each row's greedy token where choose[r] asks for
+        it alone, -1 for a row whose logits were written; a chosen row's logits are not
+        written (their memory is left as it was)."""
         seqs = []
         for s in states:  # positions inside the windows: forward_batch refuses the rest
             conv, recur = s.sections["gdn.conv"].data_ptr(), s.sections["gdn.S"].data_ptr()
             seqs += (conv, conv, recur, recur, *_kv(s))
-        return self._run(x, seqs, positions, [], cos, sin)
+        return self._run(x, seqs, positions, [], cos, sin, choose)
 
     def ragged(self, x: torch.Tensor, states, ragged, positions: list[int], cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
@@ -205,23 +228,27 @@ class NativeStep:
         return self._run(x, seqs, positions, [wave for wave, _ in ragged.waves], cos, sin)
 
     def _run(self, x: torch.Tensor, seqs: list[int], positions: list[int],
-             waves: list[list[int]], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+             waves: list[list[int]], cos: torch.Tensor, sin: torch.Tensor,
+             choose: list[bool] | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, list[int]]:
         """tandem_step_f32 over rows ``seqs`` (8 addresses and strides a row, step.c), the GDN
-        middle wave by wave (no waves: one call over every row)."""
+        middle wave by wave (no waves: one call over every row); with ``choose``, also the
+        rows' tokens (``__call__``)."""
         rows = x.shape[0]
         order = [r for wave in waves for r in wave]
         at = [0]
         for wave in waves:
             at.append(at[-1] + len(wave))
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
+        tokens = None if choose is None else (_L * rows)(*(-2 if c else -1 for c in choose))
         status = native_function("tandem_step_f32")(
             self._ref, rows, x.data_ptr(), x.stride(0), (_L * len(seqs))(*seqs),
             (_L * rows)(*positions), (_L * len(order))(*order), (_L * len(at))(*at),
-            len(waves), cos.data_ptr(), sin.data_ptr(), logits.data_ptr(),
+            len(waves), cos.data_ptr(), sin.data_ptr(), logits.data_ptr(), tokens,
             torch.get_num_threads())
         if status != 0:
             raise MemoryError("the native step could not allocate its buffers")
-        return logits
+        return logits if tokens is None else (logits, list(tokens))
 
 
 def _kv(state) -> tuple[int, int, int, int]:

@@ -3,9 +3,14 @@
 #ifndef TANDEM_KERNELS_H
 #define TANDEM_KERNELS_H
 
+#include <stdint.h>
+
 /* rows.c */
 void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, long K, float *Y,
                      long ldy, int threads);
+long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
+                            const float *scale, const float *radius, float wmax, float *approx,
+                            long *exact, int threads);
 
 /* norms.c */
 void tandem_rms_rows_f32(const float *x, long ldx, long rows, long d, const float *gain,

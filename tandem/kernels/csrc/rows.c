@@ -9,6 +9,7 @@
    nothing: a row's result is a function of its own input alone (issue 14's batch invariance),
    by construction rather than by measurement. Float addition commutes, so the tree's operands
    may come in either order; nothing here is compiled with -ffast-math (no reassociation). */
+#include <math.h>
 #include <stdint.h>
 
 #include "simd16.h"
@@ -220,5 +221,142 @@ void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, l
   for (long t = 0; t < tasks; t++) {
     long n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
     rows_block(X, ldx, B, W, K, Y, ldy, n0, n1);
+  }
+}
+
+
+/* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
+   the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
+   quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
+   screened logit may lie from the fp32 one this file's kernels compute (quantisation error and
+   both sums' rounding), +inf for a row that is not finite.
+
+   Pass 1 screens every row over Q (a quarter of the fp32 bytes): approx[n] and M, the largest
+   lower bound approx[n] - r[n] (r[n] = |x|_1 radius[n] + a subnormal margin). Every row whose
+   upper bound reaches M, the largest logit's rows among them (ties and all), is then computed
+   by one_row: the very arithmetic of tandem_rows_f32's output for that row, so the row's value
+   is the full head's bit for bit. The answer is the first index of the largest of them, or of
+   the first NaN, as argmax over the full head's logits gives it (numpy's and torch's).
+
+   Returns the token, or -1 where x is not finite or so large that a sum could overflow (the
+   caller computes the full head then). *exact: how many rows pass 1 left to compute. */
+static inline float q_one(const float *x, const int8_t *q, long K) {
+  vf16 acc = v_setzero_ps();
+  long k = 0;
+  for (; k + 16 <= K; k += 16) acc = v_fmadd_ps(v_cvtepi8_ps(q + k), v_loadu_ps(x + k), acc);
+  float s = tree1(acc);
+  for (; k < K; k++) s += x[k] * (float)q[k];
+  return s;
+}
+
+/* four rows' q_one at once (their chains interleaved: one row's waits on FMA latency) */
+static inline void q_four(const float *x, const int8_t *q, long K, float *out) {
+  vf16 a0 = v_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  long k = 0;
+  for (; k + 16 <= K; k += 16) {
+    vf16 xv = v_loadu_ps(x + k);
+    a0 = v_fmadd_ps(v_cvtepi8_ps(q + k), xv, a0);
+    a1 = v_fmadd_ps(v_cvtepi8_ps(q + K + k), xv, a1);
+    a2 = v_fmadd_ps(v_cvtepi8_ps(q + 2 * K + k), xv, a2);
+    a3 = v_fmadd_ps(v_cvtepi8_ps(q + 3 * K + k), xv, a3);
+  }
+  out[0] = tree1(a0), out[1] = tree1(a1), out[2] = tree1(a2), out[3] = tree1(a3);
+  for (; k < K; k++)
+    for (int r = 0; r < 4; r++) out[r] += x[k] * (float)q[r * K + k];
+}
+
+long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
+                            const float *scale, const float *radius, float wmax, float *approx,
+                            long *exact, int threads) {
+  double a = 0.0;
+  for (long k = 0; k < K; k++) {
+    if (!isfinite(x[k])) return -1;
+    a += fabs((double)x[k]);
+  }
+  a *= 1.0 + 1e-12;  /* the double sum's own rounding (K terms of 2^-53) */
+  /* every partial sum of either path stays under a |W|max <= 1e36 and 127 a <= 1e36 */
+  if (a > 1e34 || a * (double)wmax > 1e36) return -1;
+  const double margin = (double)(2 * K + 16) * 0x1p-149;  /* subnormal products' absolute error */
+  double M = -INFINITY;
+  long chunk = (N + 4 * threads - 1) / (4 * threads);
+  chunk = (chunk + 3) / 4 * 4;
+  long tasks = (N + chunk - 1) / chunk;
+  #pragma omp parallel for num_threads(threads) schedule(static) reduction(max: M) \
+      if(threads > 1 && N * K >= 16384)
+  for (long t = 0; t < tasks; t++) {
+    long n = t * chunk, n1 = n + chunk < N ? n + chunk : N;
+    float dots[4];
+    for (; n + 4 <= n1; n += 4) {
+      q_four(x, Q + n * K, K, dots);
+      for (int r = 0; r < 4; r++) approx[n + r] = scale[n + r] * dots[r];
+    }
+    for (; n < n1; n++) approx[n] = scale[n] * q_one(x, Q + n * K, K);
+    for (long j = t * chunk; j < n1; j++) {
+      double lo = (double)approx[j] - (a * (double)radius[j] + margin);
+      if (lo > M) M = lo;  /* NaN and -inf bounds never raise it */
+    }
+  }
+  /* Pass 2, 16 rows at a time: a float test lets through every row the double test below
+     would (hi + 2^-18 |hi| covers the float FMA's and additions' rounding; a NaN passes), so
+     the double test runs on the few that pass. */
+  const float Mf = nextafterf((float)M, -INFINITY);
+  const vf16 af = v_set1_ps(nextafterf((float)a, INFINITY)), slack = v_set1_ps(0x1p-18f);
+  const vf16 mv = v_set1_ps(Mf), zero = v_setzero_ps(), least = v_set1_ps(1e-37f);
+  long best = -1, count = 0;
+  float top = 0.0f;
+  int nan_seen = 0;
+  for (long j0 = 0; j0 < N; j0 += 16) {
+    const mask16 lanes = tail_mask(N - j0);
+    vf16 hi = v_fmadd_ps(af, v_maskz_loadu_ps(lanes, radius + j0),
+                         v_maskz_loadu_ps(lanes, approx + j0));
+    vf16 mag = v_max_ps(hi, v_sub_ps(zero, hi));
+    hi = v_add_ps(v_add_ps(hi, v_mul_ps(slack, mag)), least);
+    mask16 pass = v_cmp_ps_mask(hi, mv, _CMP_NLT_UQ) & lanes;
+    for (long j = j0; pass; j++, pass >>= 1) {
+      if (!(pass & 1)) continue;
+      double r = a * (double)radius[j] + margin;
+      if (!((double)approx[j] + r >= M) && isfinite(approx[j]) && isfinite(radius[j]))
+        continue;  /* provably below */
+      float v = one_row(x, W + j * K, K);
+      count++;
+      if (nan_seen) continue;
+      if (isnan(v)) { nan_seen = 1; best = j; continue; }
+      if (best < 0 || v > top) { top = v; best = j; }
+    }
+  }
+  if (exact) *exact = count;
+  return best;
+}
+
+/* The screen's rows (screen.py's build): for each row of W [N, K] its largest |weight| m[n]
+   (0 for a row that is not finite, finite[n] 0), the scale s = m / 127 in fp32, Q = round(W /
+   s) in [-127, 127] (0 where s is 0 or the row is not finite), and the largest |W - s Q| in
+   double (s Q is exact there), e[n]. Rows in parallel. */
+void tandem_head_screen_rows_f32(const float *W, long N, long K, int8_t *Q, float *scale,
+                                 double *m_out, double *e_out, uint8_t *finite, int threads) {
+  #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
+  for (long n = 0; n < N; n++) {
+    const float *w = W + n * K;
+    int8_t *q = Q + n * K;
+    float m = 0.0f;
+    int ok = 1;
+    for (long k = 0; k < K; k++) {
+      if (!isfinite(w[k])) ok = 0;
+      float a = fabsf(w[k]);
+      if (a > m) m = a;
+    }
+    if (!ok) m = 0.0f;
+    const float s = m / 127.0f;
+    double e = 0.0;
+    for (long k = 0; k < K; k++) {
+      float r = s > 0.0f && ok ? nearbyintf(w[k] / s) : 0.0f;
+      r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+      q[k] = (int8_t)r;
+      if (ok) {
+        double d = fabs((double)w[k] - (double)s * (double)r);
+        if (d > e) e = d;
+      }
+    }
+    scale[n] = s, m_out[n] = m, e_out[n] = e, finite[n] = (uint8_t)ok;
   }
 }

@@ -55,7 +55,42 @@ struct step_model {
   long width;                /* the widest input projection or gate_up row */
   long middle;               /* the widest middle row (GDN hv dv, attention nh hd, ff) */
   long conv_slot, state_slot;  /* one layer slot of a sequence's conv tails, of its states */
+  /* the head's screen (screen.py; head_q NULL where the model has none): its rows as int8 and
+     their scales, each row's radius, the largest |weight| */
+  const int8_t *head_q;
+  const float *head_scale, *head_radius;
+  float head_wmax;
 };
+
+static int screened(const struct step_model *M, const long *choose, long r) {
+  return choose != NULL && M->head_q != NULL && choose[r] == -2;
+}
+
+/* The head over rows h [R, D]: logits [R, vocab], or where ``choose`` asks (choose[r] == -2)
+   row r's greedy token alone, from the screen (tandem_head_argmax_f32), written to choose[r]
+   in place of its logits row (left unwritten); -1 there: its logits were written after all (an
+   input the screen does not take). Rows that want logits go through tandem_rows_f32 in runs,
+   their bits a function of their own input alone as ever. approx: vocab floats of
+   scratch where a row is screened. */
+static void head(const struct step_model *M, const float *h, long R, float *logits, long *choose,
+                 float *approx, int threads) {
+  const long D = M->D, V = M->vocab;
+  long r = 0;
+  while (r < R) {
+    if (screened(M, choose, r)) {
+      long token = tandem_head_argmax_f32(h + r * D, D, M->head, V, M->head_q, M->head_scale,
+                                          M->head_radius, M->head_wmax, approx, NULL, threads);
+      if (token < 0) tandem_rows_f32(h + r * D, D, 1, M->head, V, D, logits + r * V, V, threads);
+      choose[r++] = token;
+      continue;
+    }
+    long r1 = r + 1;
+    while (r1 < R && !screened(M, choose, r1)) r1++;
+    tandem_rows_f32(h + r * D, D, r1 - r, M->head, V, D, logits + r * V, V, threads);
+    for (long k = r; k < r1; k++) if (choose != NULL) choose[k] = -1;
+    r = r1;
+  }
+}
 
 /* x: the R embedding rows (ldx apart, read only). seqs[8 r .. 8 r + 7]: row r's conv tails
    and recurrent states to read and to write (the addresses of each section's first layer
@@ -67,12 +102,13 @@ struct step_model {
    block's rows before it. The GDN middle runs a wave at a time: wave w is rows
    wave_rows[wave_at[w] .. wave_at[w + 1]), every block's row w, so that its row t runs after
    row t - 1 (waves 0: one call over every row, as a decode step). cos, sin [R, rd] (sin's
-   first half negated). logits [R, vocab]. Returns 0, or -1 where a buffer could not be
-   allocated (nothing is then written: the allocations come first). */
+   first half negated). logits [R, vocab], choose as head()'s (NULL: every row's logits).
+   Returns 0, or -1 where a buffer could not be allocated (nothing is then written: the
+   allocations come first). */
 int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
                     const long *seqs, const long *at, const long *wave_rows,
                     const long *wave_at, long waves, const float *cos, const float *sin,
-                    float *logits, int threads) {
+                    float *logits, long *choose, int threads) {
   const long D = M->D;
   long top = 0;
   for (long r = 0; r < R; r++) top = at[r] > top ? at[r] : top;
@@ -80,8 +116,11 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
   float *buf = malloc(floats * sizeof(float));
   float **ptrs = malloc((size_t)(4 * R) * sizeof(float *));
   long *kbufs = malloc((size_t)(3 * R) * sizeof(long));
-  if (buf == NULL || ptrs == NULL || kbufs == NULL) {
-    free(buf); free(ptrs); free(kbufs);
+  int screens = 0;
+  for (long r = 0; r < R; r++) screens |= screened(M, choose, r);
+  float *approx = screens ? malloc((size_t)M->vocab * sizeof(float)) : NULL;
+  if (buf == NULL || ptrs == NULL || kbufs == NULL || (screens && approx == NULL)) {
+    free(buf); free(ptrs); free(kbufs); free(approx);
     return -1;
   }
   float *resid = buf, *h = resid + R * D, *o = h + R * D, *proj = o + R * D;
@@ -138,7 +177,7 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
   } else {
     tandem_add_rms_rows_f32(xr, ldr, o, D, R, D, M->final_norm, M->eps, resid, h);
   }
-  tandem_rows_f32(h, D, R, M->head, M->vocab, D, logits, M->vocab, threads);
-  free(buf); free(ptrs); free(kbufs);
+  head(M, h, R, logits, choose, approx, threads);
+  free(buf); free(ptrs); free(kbufs); free(approx);
   return 0;
 }
