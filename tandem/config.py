@@ -135,6 +135,12 @@ class EngineConfig(_Section):
         "they build; off keeps torch's ops. The two round differently; each gives a row the "
         "same bits in any batch and a resumed prefill a cold one's."
         ))] = True
+    head_screen: Annotated[bool, Meta(description=(
+        "Greedy decode's token from the head's int8 screen (a quarter of its bytes) and the "
+        "few rows it cannot rule out computed exactly: the full head's argmax, bit for bit, "
+        "where a position wants no logprobs, logits processors or grammar. Costs the head's "
+        "bytes over four of memory; on the native decode kernels only."
+        ))] = True
     device: Annotated[str, Meta(pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$", description=(
         "Where the engine runs: auto (the first CUDA device when torch sees one, else the "
         "CPU), cpu, cuda or cuda:N. A CUDA device the machine lacks is an error at start. On "

@@ -81,13 +81,14 @@ def engine_device(config) -> torch.device:
     ``native_kernels``, before any model is read; a device the machine lacks is a ConfigError
     that names the knob (the CLI prints it and exits 2)."""
     from tandem.config import KNOBS, ConfigError
-    from tandem.kernels import decode, native
+    from tandem.kernels import decode, native, screen
 
     try:
         device = resolve_device(config.engine.device)
     except DeviceUnavailable as exc:
         raise ConfigError(f"{exc} (knob {KNOBS['device'].spellings()})") from None
     on = decode.set_native(config.engine.native_kernels)
+    screen.set_enabled(config.engine.head_screen)
     structlog.get_logger(__name__).info("decode_kernels", kernels="native" if on else "torch",
                                         simd=native.flavor() if on else None,
                                         asked=config.engine.native_kernels)

@@ -20,7 +20,7 @@ import torch
 
 from tandem.cache.vocabulary import FinishReason
 from tandem.logprobs import PromptScorer, TokenLogprob, score
-from tandem.models.base import CacheState, Cost, Model, ModelError
+from tandem.models.base import CacheState, Chosen, Cost, Model, ModelError
 from tandem.models.image_keys import KEY_BASE, rope_delta
 from tandem.tokens import common_prefix
 
@@ -291,10 +291,13 @@ CHUNK = Chunk()
 @dataclass(frozen=True)
 class DecodeStep:
     """A generation asks for ``token_id`` to be forwarded by the recurrent step on ``engine``
-    and is sent the logits of that position (``decode_batch``)."""
+    and is sent the logits of that position (``decode_batch``). ``greedy``: it wants that
+    position's greedy token alone, and may be sent a `Chosen` instead (the same token: a model
+    whose native step screens its head finds it without computing the logits)."""
 
     engine: "Engine"
     token_id: int
+    greedy: bool = False
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,7 @@ def forward_step(step: Any) -> torch.Tensor | None:
     """One step forwarded alone on its own engine: a decode step's logits, a verify block's,
     None for a prefill chunk (which ran as the generator yielded it)."""
     if isinstance(step, DecodeStep):
-        return step.engine.decode(step.token_id)
+        return step.engine.decode(step.token_id, greedy=step.greedy)
     if isinstance(step, VerifyStep):
         return step.engine.verify(step.token_ids)
     return None
@@ -358,7 +361,7 @@ def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]
     if len(steps) == 1:
         step = steps[0]
         return [step.engine.verify(step.token_ids) if isinstance(step, VerifyStep)
-                else step.engine.decode(step.token_id)]
+                else step.engine.decode(step.token_id, greedy=step.greedy)]
     model = steps[0].engine.model
     if any(s.engine.model is not model for s in steps):
         raise ValueError("a batched decode step runs over one model")
@@ -368,10 +371,13 @@ def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]
         return _ragged_batch(model, steps)
     positions = [s.engine._decode_position() for s in steps]
     offsets = [s.engine.rope_delta for s in steps]
+    choose = [s.greedy for s in steps]
     with torch.inference_mode():
         logits = model.forward_batch([s.engine.state for s in steps],
                                      [int(s.token_id) for s in steps], positions,
-                                     **({"rope_offsets": offsets} if any(offsets) else {}))
+                                     **({"rope_offsets": offsets} if any(offsets) else {}),
+                                     **({"choose": choose} if any(choose)
+                                        and getattr(model, "chooses", False) else {}))
     for s, pos in zip(steps, positions):
         s.engine._decoded(s.token_id, pos)
     return list(logits)
@@ -606,13 +612,21 @@ class Engine:
             raise ModelError("this model reads no images: it has no vision tower")
         return ids.masked_fill(ids >= KEY_BASE, support.image_token_id), {}
 
-    def decode(self, token_id: int) -> torch.Tensor:
-        """Forward one generated token with the recurrent step; its row is tainted."""
+    def decode(self, token_id: int, greedy: bool = False) -> "torch.Tensor | Chosen":
+        """Forward one generated token with the recurrent step; its row is tainted. Its
+        position's logits, or with ``greedy`` where the model can (``chooses``), its greedy
+        token alone (a `Chosen`, the token the logits' argmax gives)."""
         pos = self._decode_position()
         with torch.inference_mode():
-            logits = self.model.forward(self.state, torch.tensor([token_id]), pos, decode=True,
-                                        **({"rope_offset": self.rope_delta}
-                                           if self.rope_delta else {}))
+            if greedy and getattr(self.model, "chooses", False):
+                logits = self.model.forward_batch(
+                    [self.state], [int(token_id)], [pos],
+                    rope_offsets=[self.rope_delta] if self.rope_delta else None,
+                    choose=[True])[0]
+            else:
+                logits = self.model.forward(self.state, torch.tensor([token_id]), pos,
+                                            decode=True, **({"rope_offset": self.rope_delta}
+                                                            if self.rope_delta else {}))
         self._decoded(token_id, pos)
         return logits
 
@@ -816,12 +830,17 @@ class Engine:
             forced = force(so_far) if force is not None else None
             if forced is not None:
                 return forced
+            if isinstance(logits, Chosen):  # a greedy-only step's token (DecodeStep.greedy)
+                return logits.token
             if processors is not None:
                 logits = processors(logits, so_far, len(out))
             if grammar is not None:
                 return grammar.choose(logits, so_far, len(out), params.greedy, argmax, sampler)
             return sampler(logits)
 
+        # A decode step that wants its greedy token alone: nothing reads its logits then.
+        greedy_only = (params.greedy and processors is None and grammar is None
+                       and num_top is None)
         token = target(logits, out) if params.max_tokens > 0 else None
         entry = scored(logits, token) if token is not None else None
         k_floor = min(DRAFT_FLOOR, draft_max)
@@ -847,7 +866,7 @@ class Engine:
             if drafts and grammar is not None:
                 drafts = drafts[:grammar.valid_prefix(out, len(out), drafts)]
             if not drafts:
-                logits = yield DecodeStep(self, token)
+                logits = yield DecodeStep(self, token, greedy_only)
                 token = target(logits, out)
                 entry = scored(logits, token)
                 continue

@@ -54,6 +54,7 @@ def load_model(spec: str, models_dir: Path, dtype: str = "auto",
     from tandem.models import graphs
 
     graphs.attach(model, cuda_graphs)
+    model.prepare_decode()  # the native step's plan and the head's screen, before a request
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer.tiktoken").is_file():
         from tandem.models.tokenizer import load_tokenizer

@@ -71,6 +71,14 @@ class Cost:
         return self.state_nbytes + self.row_nbytes * num_tokens
 
 
+@dataclass(frozen=True)
+class Chosen:
+    """A decode position's greedy token, found without its logits (``forward_batch``'s
+    ``choose``): the first index of the largest logit, as the argmax of its logits gives it."""
+
+    token: int
+
+
 @dataclass
 class ModelState:
     """Buffers a model forwards into: sections and views, allocated once for ``window`` rows."""

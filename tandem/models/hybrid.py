@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -30,9 +31,10 @@ from tandem.kernels.native import digest as native_digest
 from tandem.kernels.native import fits as native_fits
 from tandem.kernels.native import rows_f32 as native_rows
 from tandem.kernels.native import rows_fit as native_rows_fit
+from tandem.kernels import screen as head_screen
 from tandem.kernels import step as native_step
 from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
-from tandem.models.base import Cost, ModelError, ModelState, View
+from tandem.models.base import Chosen, Cost, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
@@ -235,6 +237,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class HybridModel:
     """A Qwen3.5 / Qwen3-Next language model over one sequence's preallocated buffers."""
+
+    chooses = True  # forward_batch takes ``choose`` (a greedy position's token alone)
 
     def __init__(self, config: HybridConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype | None = None, source: Path | None = None,
@@ -847,7 +851,8 @@ class HybridModel:
 
     def forward_batch(self, states: list[ModelState], token_ids: list[int],
                       positions: list[int],
-                      rope_offsets: list[int] | None = None) -> torch.Tensor:
+                      rope_offsets: list[int] | None = None,
+                      choose: list[bool] | None = None) -> torch.Tensor | list:
         """One decode step for each of B independent sequences: token ``token_ids[b]`` at
         position ``positions[b]`` of ``states[b]`` (its rows below in place), whose row is
         written and sections advanced. Returns the fp32 logits ``[B, vocab]``.
@@ -866,7 +871,12 @@ class HybridModel:
         copy padded at each call; the pad row's conv, recurrence and attention outputs are
         zeros (it has no state), and its results are dropped. A row's bits at those rows are
         its own whatever the other row holds, so the lone sequence's logits are those it gets
-        in any batch. The native kernel needs no pad (decode_ops.block() is 1 there)."""
+        in any batch. The native kernel needs no pad (decode_ops.block() is 1 there).
+
+        ``choose[b]``: sequence b wants its greedy token alone (no logprobs, processors or
+        grammar). With ``choose`` the result is a list: a `Chosen` (the token the full head's
+        argmax gives, found through the head's screen, tandem.kernels.screen) where the native
+        step screens, else that sequence's logits row."""
         for s, at in zip(states, positions):
             view = s.views["K"]
             if not 0 <= at < view.tensor.shape[view.token_axis]:
@@ -874,7 +884,8 @@ class HybridModel:
                 raise IndexError(f"position {at} is outside a window of "
                                  f"{view.tensor.shape[view.token_axis]} rows")
         if self.graphs is not None and self.graphs.takes(self):
-            return self.graphs.decode(self, states, token_ids, positions, rope_offsets)
+            out = self.graphs.decode(self, states, token_ids, positions, rope_offsets)
+            return out if choose is None else list(out)
         n = len(states)
         embed = self.w["embed_tokens.weight"]
         block = decode_ops.block()
@@ -891,7 +902,14 @@ class HybridModel:
         if step is not None and x.shape[0] == n and x.stride(1) == 1 and step.fits(states):
             # every layer and the head in one native call: the layer path's kernels, its bits
             cos, sin = self._step_rope(turns, n, n)
-            return step(x, states, positions, cos.contiguous(), sin.contiguous())
+            if choose is not None and sum(choose) > head_screen.ROWS_MAX:
+                choose = [False] * n  # the full head, read once for every row, is cheaper
+            if choose is None or not step.screens or not any(choose):
+                logits = step(x, states, positions, cos.contiguous(), sin.contiguous())
+                return logits if choose is None else list(logits)
+            logits, tokens = step(x, states, positions, cos.contiguous(), sin.contiguous(),
+                                  choose)
+            return [Chosen(t) if t >= 0 else logits[b] for b, t in enumerate(tokens)]
         # every sequence's sections and rows by layer slot, viewed once a step
         tails = [s.sections["gdn.conv"].unbind(0) for s in states]
         recur = [s.sections["gdn.S"].unbind(0) for s in states]
@@ -902,7 +920,8 @@ class HybridModel:
                                    decode_ops.block() == 1 and native_rows_fit(x))
         logits = self._linear(x, "lm_head.weight")
         logits = logits if x.shape[0] == n else logits[:n]
-        return logits if logits.dtype == torch.float32 else logits.float()
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return logits if choose is None else list(logits)
 
     def forward_ragged(self, states: list[ModelState], blocks: list[list[int]],
                        positions: list[int], rope_offsets: list[int] | None = None,
@@ -1059,8 +1078,18 @@ class HybridModel:
         if not native_step.enabled() or decode_ops.block() != 1:
             return None
         if "_native_plan" not in self.__dict__:  # built on the first step, kept (or None)
-            self._native_plan = native_step.NativeStep.build(self)
+            self._native_plan = plan = native_step.NativeStep.build(self)
+            if plan is not None and head_screen.enabled():
+                t0 = time.perf_counter()
+                plan.set_screen(head_screen.build(self.w["lm_head.weight"]))
+                log.info("head_screen_built", nbytes=plan._screen.nbytes,
+                         seconds=round(time.perf_counter() - t0, 2))
         return self._native_plan
+
+    def prepare_decode(self) -> None:
+        """Build what decode's first step would (the native step's plan, the head's screen), so
+        that no request waits for it."""
+        self._native_step()
 
     def _residual_norm(self, x: torch.Tensor, h: torch.Tensor | None, gain: str,
                        fast: bool) -> tuple[torch.Tensor, torch.Tensor]:

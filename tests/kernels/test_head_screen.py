@@ -1,0 +1,201 @@
+"""The head's screen (tandem/kernels/screen.py, csrc/rows.c's tandem_head_argmax_f32): greedy's
+token from int8 rows and the rows it cannot rule out computed exactly.
+
+Gate: the token is the full head's argmax (numpy's, over tandem_rows_f32's logits: the native
+decode's own bits) for every input, ties and NaN included; every screened logit lies within its
+bound of the exact one; a chosen step leaves the other rows' logits, the states and the rows
+the bits of a step without the screen (torch.equal); greedy generation gives the same tokens
+with the screen as without, on the small hybrid with long recurrent memory."""
+
+import numpy as np
+import pytest
+import torch
+
+from small_hybrid import make_small_hybrid
+from tandem.engine import Engine, SamplingParams, decode_batch, DecodeStep, run_steps
+from tandem.kernels import native, screen, step as native_step
+from tandem.models.base import Chosen
+from tandem.models.hybrid import HybridModel
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="the native kernel does not build on this machine")
+
+
+@pytest.fixture(autouse=True)
+def _native(native_on):
+    yield
+
+
+def _head(n=3000, k=80, seed=0) -> torch.Tensor:
+    """A head with the rows a screen must get right: exact duplicates (ties), rows one ulp
+    apart, a zero row, rows a thousand times larger and smaller than the rest, subnormal
+    weights, and the same row again far below."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[10] = w[7]                       # a tie with an earlier row
+    w[n - 100] = w[7]                  # and a later one
+    w[11] = torch.nextafter(w[7], torch.full_like(w[7], 1.0))  # one ulp above, every weight
+    w[12] = 0.0
+    w[13] *= 1000.0
+    w[14] *= 1e-3
+    w[15] = torch.full((k,), 1e-40)    # subnormal weights
+    w[16] = w[13]                      # the large row's tie
+    return w.contiguous()
+
+
+def _full_argmax(x: torch.Tensor, w: torch.Tensor) -> int:
+    logits = native.rows_f32(x[None], w)[0]
+    return int(logits.numpy().argmax())
+
+
+def _inputs(k, count, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for i in range(count):
+        x = torch.randn(k, generator=g) * (10.0 ** (i % 7 - 3))
+        if i % 5 == 0:
+            x[: k // 2] = 0.0
+        yield x
+
+
+def test_the_screened_token_is_the_full_heads_argmax_ties_and_extremes_included():
+    w = _head()
+    s = screen.build(w)
+    exact_total = 0
+    for x in _inputs(w.shape[1], 60):
+        token, approx, exact = screen.argmax(x, w, s)
+        assert token == _full_argmax(x, w)
+        exact_total += exact
+    # the screen rules rows out: most of the head is never computed in fp32
+    assert exact_total < 60 * w.shape[0] // 10
+
+
+def test_every_screened_logit_lies_within_its_bound():
+    w = _head(seed=3)
+    s = screen.build(w)
+    for x in _inputs(w.shape[1], 20, seed=4):
+        token, approx, _ = screen.argmax(x, w, s)
+        exact = native.rows_f32(x[None], w)[0].double()
+        bound = x.double().abs().sum() * s.radius.double()
+        gap = (approx.double() - exact).abs()
+        finite = torch.isfinite(s.radius)
+        assert bool((gap[finite] <= bound[finite] + 1e-40).all())
+
+
+def test_a_tie_goes_to_the_first_row_as_argmax_has_it():
+    w = torch.zeros(64, 32)
+    w[5] = 1.0
+    w[9] = 1.0
+    w[40] = 1.0
+    s = screen.build(w.contiguous())
+    x = torch.ones(32)
+    assert screen.argmax(x, w, s)[0] == 5 == _full_argmax(x, w)
+
+
+def test_rows_that_are_not_finite_are_always_computed_and_answer_as_argmax():
+    w = _head(n=500, seed=5)
+    w[30, 3] = float("inf")
+    w[31, 0] = float("nan")
+    s = screen.build(w)
+    assert s.radius[30] == float("inf") and s.radius[31] == float("inf")
+    for x in _inputs(w.shape[1], 10, seed=6):
+        token, _, _ = screen.argmax(x, w, s)
+        assert token == _full_argmax(x, w)
+
+
+def test_an_input_the_bound_does_not_cover_gets_the_full_head():
+    w = _head(n=200)
+    s = screen.build(w)
+    x = torch.randn(w.shape[1])
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[4] = bad
+        assert screen.argmax(y, w, s)[0] == -1
+    assert screen.argmax(x * 1e35, w, s)[0] == -1  # a sum could overflow
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> HybridModel:
+    return HybridModel.load(make_small_hybrid(tmp_path_factory.mktemp("small"), tokenizer=False))
+
+
+def _plan(model):
+    plan = model._native_step()
+    assert plan is not None and plan.screens
+    return plan
+
+
+def test_a_chosen_step_leaves_every_other_bit_as_without_the_screen(small):
+    """Two sequences, one choosing its token: the other's logits, both states and rows are the
+    bits of the same step with logits for both; the chosen token is their argmax."""
+    _plan(small)
+    g = torch.Generator().manual_seed(7)
+    states, tokens = [], []
+    for n in (9, 23):
+        st = small.new_state(64)
+        logits = small.forward(st, torch.randint(0, small.vocab_size, (n,), generator=g), 0)
+        states.append(st)
+        tokens.append(int(torch.argmax(logits)))
+    twins = [type(st)({k: t.clone() for k, t in st.sections.items()},
+                      {k: type(v)(v.tensor.clone(), v.token_axis) for k, v in st.views.items()})
+             for st in states]
+    full = small.forward_batch(twins, tokens, [9, 23])
+    out = small.forward_batch(states, tokens, [9, 23], choose=[True, False])
+    assert isinstance(out[0], Chosen)
+    assert out[0].token == int(full[0].numpy().argmax())
+    assert torch.equal(out[1], full[1])
+    for a, b in zip(states, twins):
+        for k in a.sections:
+            assert torch.equal(a.sections[k], b.sections[k])
+        for k in a.views:
+            assert torch.equal(a.views[k].tensor, b.views[k].tensor)
+
+
+def _generate(model, prompt, params, screened: bool):
+    plan = _plan(model)
+    kept = plan._screen
+    if not screened:
+        plan.set_screen(None)
+    try:
+        engine = Engine(model, window=256, prefix_chunk=16)
+        return run_steps(engine.generate_steps(prompt, params))
+    finally:
+        plan.set_screen(kept)
+
+
+def test_greedy_generation_gives_the_same_tokens_with_the_screen_as_without(small):
+    """Gate: identical greedy tokens (states written by decoding), speculation off and on."""
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, small.vocab_size, (40,), generator=g).tolist()
+    params = SamplingParams(max_tokens=48)
+    on = _generate(small, prompt, params, True)
+    off = _generate(small, prompt, params, False)
+    assert on.token_ids == off.token_ids and len(on.token_ids) == 48
+
+
+def test_a_position_that_wants_logits_is_sent_them(small):
+    """Logprobs, a sampled request and a penalty keep the full head: the steps are not
+    greedy-only, and what they return equals the run without the screen."""
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, small.vocab_size, (30,), generator=g).tolist()
+    for params in (SamplingParams(max_tokens=12, logprobs=2),
+                   SamplingParams(max_tokens=12, temperature=0.8, seed=3),
+                   SamplingParams(max_tokens=12, frequency_penalty=0.5)):
+        on = _generate(small, prompt, params, True)
+        off = _generate(small, prompt, params, False)
+        assert on.token_ids == off.token_ids
+        assert on.logprobs == off.logprobs
+
+
+def test_decode_batch_sends_a_greedy_step_its_token_and_the_others_their_logits(small):
+    _plan(small)
+    g = torch.Generator().manual_seed(13)
+    engines = []
+    for n in (12, 20, 7):
+        e = Engine(small, window=128, prefix_chunk=16)
+        run_steps(e.generate_steps(torch.randint(0, small.vocab_size, (n,), generator=g).tolist(),
+                                   SamplingParams(max_tokens=1)))
+        engines.append(e)
+    out = decode_batch([DecodeStep(engines[0], 5, True), DecodeStep(engines[1], 6, False),
+                        DecodeStep(engines[2], 7, True)])
+    assert isinstance(out[0], Chosen) and isinstance(out[2], Chosen)
+    assert isinstance(out[1], torch.Tensor) and out[1].shape == (small.vocab_size,)
