@@ -16,7 +16,8 @@ Prints, in one run and for each model:
   screen, tandem.kernels.screen: the same token as native's argmax), alternated in rounds,
   each over the bound (screened reads fewer bytes than the bound counts);
 - aggregate tokens/s of forward_batch over B = 1, 2, 4 sequences (each its own state), and each
-  over B = 1, on torch's matmuls and on the native kernels.
+  over B = 1, on torch's matmuls, on the native kernels, and on them asking for greedy's
+  tokens alone (the screen, up to 4 rows reading it once).
 
 The 0.8B-like checkpoint is written once (tandem.models.tiny's recipe at those dims, 3.0 GB) to
 ``--dir`` and loaded as a real one is, its weights mapped from the file.
@@ -189,10 +190,15 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
         for matmuls in (["torch", "native"] if native.available() else ["torch"]):
             decode.set_native(matmuls == "native")
             _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls)
+            if matmuls == "native":
+                _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls,
+                           screened=True)
 
 
-def _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls) -> None:
+def _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls,
+               screened: bool = False) -> None:
     rates = {}
+    extra = {}
     for b in (1, 2, 4):
         states = []
         for _ in range(b):  # copies of the prompt's state
@@ -205,13 +211,15 @@ def _aggregate(model, state, base, window, prompt_len, tokens, rounds, matmuls) 
             for s in states:
                 for k, t in base.items():
                     s.sections[k].copy_(t)
-            model.forward_batch(states, [100] * b, [prompt_len] * b)  # warm
+            extra = {"choose": [True] * b} if screened else {}
+            model.forward_batch(states, [100] * b, [prompt_len] * b, **extra)  # warm
             t0 = time.perf_counter()
             for i in range(tokens // 2):
-                model.forward_batch(states, [101 + i] * b, [prompt_len + 1 + i] * b)
+                model.forward_batch(states, [101 + i] * b, [prompt_len + 1 + i] * b, **extra)
             best = max(best, b * (tokens // 2) / (time.perf_counter() - t0))
         rates[b] = best
-    print(f"  forward_batch aggregate, {matmuls} matmuls: " + "; ".join(
+    label = f"{matmuls} matmuls" + (", greedy's tokens through the screen" if screened else "")
+    print(f"  forward_batch aggregate, {label}: " + "; ".join(
         f"B={b} {r:.1f} tok/s ({r / rates[1]:.2f}x)" for b, r in rates.items()))
 
 

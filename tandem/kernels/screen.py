@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Rows screened in one step at most: each reads the screen (a quarter of the head) on its own,
-# where the full head is read once for every row of a step; past 3 the full head reads less.
-ROWS_MAX = 3
+# Rows screened in one step at most. Up to 4 share one read of the screen (csrc/rows.c); more
+# would read it again for each 4, where the full head is read once for every row of a step.
+ROWS_MAX = 4
 
 _enabled = True
 
@@ -111,3 +111,26 @@ def argmax(x: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
         screen.radius.data_ptr(), screen.wmax, approx.data_ptr(), ctypes.byref(exact),
         threads if threads is not None else torch.get_num_threads())
     return int(token), approx, int(exact.value)
+
+
+def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
+                threads: int | None = None) -> tuple[list[int], int]:
+    """tandem_head_argmax_rows_f32 for 1 to 4 rows xs [R, K] at once (the screen read once for
+    them all, as the native step calls it): each row's token as ``argmax`` answers it, and how
+    many rows were computed exactly over them all."""
+    import ctypes
+
+    from tandem.kernels.native import function
+
+    r, (n, k) = xs.shape[0], weight.shape
+    if not 1 <= r <= 4:
+        raise ValueError("1 to 4 rows at once")
+    xs = xs.contiguous()
+    ptrs = (ctypes.c_void_p * r)(*(xs[i].data_ptr() for i in range(r)))
+    approx = torch.empty(r, n, dtype=torch.float32)
+    tokens, exact = (ctypes.c_long * r)(), ctypes.c_long(0)
+    function("tandem_head_argmax_rows_f32")(
+        ptrs, r, k, weight.data_ptr(), n, screen.q.data_ptr(), screen.scale.data_ptr(),
+        screen.radius.data_ptr(), screen.wmax, approx.data_ptr(), tokens, ctypes.byref(exact),
+        threads if threads is not None else torch.get_num_threads())
+    return list(tokens), int(exact.value)

@@ -69,6 +69,25 @@ def test_the_screened_token_is_the_full_heads_argmax_ties_and_extremes_included(
     assert exact_total < 60 * w.shape[0] // 10
 
 
+def test_up_to_four_rows_at_once_each_get_their_own_argmax():
+    """The native step screens up to 4 rows reading the screen once: each row's token is its
+    own argmax, a row the screen does not take answers -1 and leaves the others theirs."""
+    w = _head(seed=8)
+    s = screen.build(w)
+    xs = torch.stack(list(_inputs(w.shape[1], 12, seed=9)))
+    for r in (1, 2, 3, 4):
+        for start in range(0, 12 - r + 1, 3):
+            rows = xs[start:start + r].clone()
+            tokens, _ = screen.argmax_rows(rows, w, s)
+            assert tokens == [_full_argmax(x, w) for x in rows]
+    rows = xs[:4].clone()
+    rows[2, 0] = float("nan")
+    tokens, _ = screen.argmax_rows(rows, w, s)
+    assert tokens[2] == -1
+    assert [t for i, t in enumerate(tokens) if i != 2] == [_full_argmax(rows[i], w)
+                                                          for i in (0, 1, 3)]
+
+
 def test_every_screened_logit_lies_within_its_bound():
     w = _head(seed=3)
     s = screen.build(w)
@@ -148,6 +167,37 @@ def test_a_chosen_step_leaves_every_other_bit_as_without_the_screen(small):
             assert torch.equal(a.sections[k], b.sections[k])
         for k in a.views:
             assert torch.equal(a.views[k].tensor, b.views[k].tensor)
+
+
+def _states(model, lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    states, tokens = [], []
+    for n in lengths:
+        st = model.new_state(64)
+        logits = model.forward(st, torch.randint(0, model.vocab_size, (n,), generator=g), 0)
+        states.append(st)
+        tokens.append(int(torch.argmax(logits)))
+    return states, tokens
+
+
+def _twin(st):
+    return type(st)({k: t.clone() for k, t in st.sections.items()},
+                    {k: type(v)(v.tensor.clone(), v.token_axis) for k, v in st.views.items()})
+
+
+def test_four_rows_are_chosen_together_and_a_fifth_gets_every_rows_logits(small):
+    _plan(small)
+    lengths = [5, 9, 14, 20, 27]
+    states, tokens = _states(small, lengths, 21)
+    twins = [_twin(st) for st in states]
+    full = small.forward_batch(twins[:4], tokens[:4], lengths[:4])
+    out = small.forward_batch(states[:4], tokens[:4], lengths[:4], choose=[True] * 4)
+    assert [c.token for c in out] == [int(row.numpy().argmax()) for row in full]
+    states, tokens = _states(small, lengths, 22)
+    twins = [_twin(st) for st in states]
+    full = small.forward_batch(twins, tokens, lengths)
+    out = small.forward_batch(states, tokens, lengths, choose=[True] * 5)
+    assert all(torch.equal(a, b) for a, b in zip(out, full))  # over ROWS_MAX: the logits
 
 
 def _generate(model, prompt, params, screened: bool):

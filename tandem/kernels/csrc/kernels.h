@@ -8,6 +8,10 @@
 /* rows.c */
 void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, long K, float *Y,
                      long ldy, int threads);
+void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
+                                 const int8_t *Q, const float *scale, const float *radius,
+                                 float wmax, float *approx, long *tokens, long *exact,
+                                 int threads);
 long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
                             const float *scale, const float *radius, float wmax, float *approx,
                             long *exact, int threads);

@@ -225,80 +225,61 @@ void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, l
 }
 
 
-/* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
-   the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
-   quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
-   screened logit may lie from the fp32 one this file's kernels compute (quantisation error and
-   both sums' rounding), +inf for a row that is not finite.
+/* Screened sums of WR int8 rows by BB inputs (WR * BB <= 4 accumulators of two halves on AVX2,
+   beside the row and the inputs), the rows read once for the BB: out[b * WR + r]. */
+#define QKERNEL(NAME, WR, BB) \
+static inline void NAME(const float *const *xs, const int8_t *q, long K, float *out) { \
+  vf16 acc[WR * BB]; \
+  for (int j = 0; j < WR * BB; j++) acc[j] = v_setzero_ps(); \
+  long k = 0; \
+  for (; k + 16 <= K; k += 16) \
+    for (int r = 0; r < WR; r++) { \
+      vf16 w = v_cvtepi8_ps(q + r * K + k); \
+      for (int b = 0; b < BB; b++) \
+        acc[r * BB + b] = v_fmadd_ps(w, v_loadu_ps(xs[b] + k), acc[r * BB + b]); \
+    } \
+  for (int r = 0; r < WR; r++) \
+    for (int b = 0; b < BB; b++) { \
+      float t = tree1(acc[r * BB + b]); \
+      for (long j = k; j < K; j++) t += xs[b][j] * (float)q[r * K + j]; \
+      out[b * WR + r] = t; \
+    } \
+}
+QKERNEL(q1x1, 1, 1)
+QKERNEL(q4x1, 4, 1)  /* one input: four rows' chains interleaved (one waits on FMA latency) */
+QKERNEL(q2x2, 2, 2)
+QKERNEL(q1x3, 1, 3)
+QKERNEL(q1x4, 1, 4)
 
-   Pass 1 screens every row over Q (a quarter of the fp32 bytes): approx[n] and M, the largest
-   lower bound approx[n] - r[n] (r[n] = |x|_1 radius[n] + a subnormal margin). Every row whose
-   upper bound reaches M, the largest logit's rows among them (ties and all), is then computed
-   by one_row: the very arithmetic of tandem_rows_f32's output for that row, so the row's value
-   is the full head's bit for bit. The answer is the first index of the largest of them, or of
-   the first NaN, as argmax over the full head's logits gives it (numpy's and torch's).
-
-   Returns the token, or -1 where x is not finite or so large that a sum could overflow (the
-   caller computes the full head then). *exact: how many rows pass 1 left to compute. */
-static inline float q_one(const float *x, const int8_t *q, long K) {
-  vf16 acc = v_setzero_ps();
-  long k = 0;
-  for (; k + 16 <= K; k += 16) acc = v_fmadd_ps(v_cvtepi8_ps(q + k), v_loadu_ps(x + k), acc);
-  float s = tree1(acc);
-  for (; k < K; k++) s += x[k] * (float)q[k];
-  return s;
+/* Screened logits approx[b * N + n] of rows [n0, n1) for R (1 to 4) inputs. */
+static void screen_rows(const float *const *xs, long R, const int8_t *Q, const float *scale,
+                        long K, long N, long n0, long n1, float *approx) {
+  float dots[4];
+  long n = n0;
+  const long step = R == 1 ? 4 : R == 2 ? 2 : 1;
+  for (; n + step <= n1; n += step) {
+    const int8_t *q = Q + n * K;
+    if (R == 1) q4x1(xs, q, K, dots);
+    else if (R == 2) q2x2(xs, q, K, dots);
+    else if (R == 3) q1x3(xs, q, K, dots);
+    else q1x4(xs, q, K, dots);
+    for (long b = 0; b < R; b++)
+      for (long r = 0; r < step; r++) approx[b * N + n + r] = scale[n + r] * dots[b * step + r];
+  }
+  for (; n < n1; n++)
+    for (long b = 0; b < R; b++) {
+      q1x1(xs + b, Q + n * K, K, dots);
+      approx[b * N + n] = scale[n] * dots[0];
+    }
 }
 
-/* four rows' q_one at once (their chains interleaved: one row's waits on FMA latency) */
-static inline void q_four(const float *x, const int8_t *q, long K, float *out) {
-  vf16 a0 = v_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  long k = 0;
-  for (; k + 16 <= K; k += 16) {
-    vf16 xv = v_loadu_ps(x + k);
-    a0 = v_fmadd_ps(v_cvtepi8_ps(q + k), xv, a0);
-    a1 = v_fmadd_ps(v_cvtepi8_ps(q + K + k), xv, a1);
-    a2 = v_fmadd_ps(v_cvtepi8_ps(q + 2 * K + k), xv, a2);
-    a3 = v_fmadd_ps(v_cvtepi8_ps(q + 3 * K + k), xv, a3);
-  }
-  out[0] = tree1(a0), out[1] = tree1(a1), out[2] = tree1(a2), out[3] = tree1(a3);
-  for (; k < K; k++)
-    for (int r = 0; r < 4; r++) out[r] += x[k] * (float)q[r * K + k];
-}
-
-long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
-                            const float *scale, const float *radius, float wmax, float *approx,
-                            long *exact, int threads) {
-  double a = 0.0;
-  for (long k = 0; k < K; k++) {
-    if (!isfinite(x[k])) return -1;
-    a += fabs((double)x[k]);
-  }
-  a *= 1.0 + 1e-12;  /* the double sum's own rounding (K terms of 2^-53) */
-  /* every partial sum of either path stays under a |W|max <= 1e36 and 127 a <= 1e36 */
-  if (a > 1e34 || a * (double)wmax > 1e36) return -1;
-  const double margin = (double)(2 * K + 16) * 0x1p-149;  /* subnormal products' absolute error */
-  double M = -INFINITY;
-  long chunk = (N + 4 * threads - 1) / (4 * threads);
-  chunk = (chunk + 3) / 4 * 4;
-  long tasks = (N + chunk - 1) / chunk;
-  #pragma omp parallel for num_threads(threads) schedule(static) reduction(max: M) \
-      if(threads > 1 && N * K >= 16384)
-  for (long t = 0; t < tasks; t++) {
-    long n = t * chunk, n1 = n + chunk < N ? n + chunk : N;
-    float dots[4];
-    for (; n + 4 <= n1; n += 4) {
-      q_four(x, Q + n * K, K, dots);
-      for (int r = 0; r < 4; r++) approx[n + r] = scale[n + r] * dots[r];
-    }
-    for (; n < n1; n++) approx[n] = scale[n] * q_one(x, Q + n * K, K);
-    for (long j = t * chunk; j < n1; j++) {
-      double lo = (double)approx[j] - (a * (double)radius[j] + margin);
-      if (lo > M) M = lo;  /* NaN and -inf bounds never raise it */
-    }
-  }
-  /* Pass 2, 16 rows at a time: a float test lets through every row the double test below
-     would (hi + 2^-18 |hi| covers the float FMA's and additions' rounding; a NaN passes), so
-     the double test runs on the few that pass. */
+/* Pass 2 for one input: the rows whose upper bound reaches M computed exactly, their argmax. */
+static long pick(const float *x, long K, const float *W, long N, const float *radius,
+                 const float *approx, double a, double M, long *exact) {
+  const double margin = (double)(2 * K + 16) * 0x1p-149;  /* subnormal products' error */
+  /* 16 rows at a time: a float test lets through every row the double test below would
+     (hi + 2^-18 |hi| covers the float FMA's and additions' rounding; a NaN passes), so the
+     double test runs on the few that pass. */
   const float Mf = nextafterf((float)M, -INFINITY);
   const vf16 af = v_set1_ps(nextafterf((float)a, INFINITY)), slack = v_set1_ps(0x1p-18f);
   const vf16 mv = v_set1_ps(Mf), zero = v_setzero_ps(), least = v_set1_ps(1e-37f);
@@ -324,8 +305,78 @@ long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, cons
       if (best < 0 || v > top) { top = v; best = j; }
     }
   }
-  if (exact) *exact = count;
+  *exact += count;
   return best;
+}
+
+/* R inputs xs[b] (1 to 4) at once, the screen read once for them all: tokens[b] as
+   tandem_head_argmax_f32 answers for xs[b] (-1 for an input it does not take); approx [R, N]
+   scratch; *exact (may be NULL): the rows computed exactly, over every input. */
+void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
+                                 const int8_t *Q, const float *scale, const float *radius,
+                                 float wmax, float *approx, long *tokens, long *exact,
+                                 int threads) {
+  double a[4], M[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+  const float *ok[4];
+  long live = 0, at[4];
+  for (long b = 0; b < R; b++) {
+    double sum = 0.0;
+    int finite = 1;
+    for (long k = 0; k < K && finite; k++) {
+      finite = isfinite(xs[b][k]);
+      sum += fabs((double)xs[b][k]);
+    }
+    sum *= 1.0 + 1e-12;  /* the double sum's own rounding (K terms of 2^-53) */
+    tokens[b] = -1;
+    /* every partial sum of either path stays under a |W|max <= 1e36 and 127 a <= 1e36 */
+    if (!finite || sum > 1e34 || sum * (double)wmax > 1e36) continue;
+    a[live] = sum, ok[live] = xs[b], at[live++] = b;
+  }
+  if (exact) *exact = 0;
+  if (live == 0) return;
+  const double margin = (double)(2 * K + 16) * 0x1p-149;
+  long chunk = (N + 4 * threads - 1) / (4 * threads);
+  chunk = (chunk + 3) / 4 * 4;
+  long tasks = (N + chunk - 1) / chunk;
+  #pragma omp parallel for num_threads(threads) schedule(static) reduction(max: M[:4]) \
+      if(threads > 1 && N * K >= 16384)
+  for (long t = 0; t < tasks; t++) {
+    long n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    screen_rows(ok, live, Q, scale, K, N, n0, n1, approx);
+    for (long b = 0; b < live; b++)
+      for (long j = n0; j < n1; j++) {
+        double lo = (double)approx[b * N + j] - (a[b] * (double)radius[j] + margin);
+        if (lo > M[b]) M[b] = lo;  /* NaN and -inf bounds never raise it */
+      }
+  }
+  long count = 0;
+  for (long b = 0; b < live; b++)
+    tokens[at[b]] = pick(ok[b], K, W, N, radius, approx + b * N, a[b], M[b], &count);
+  if (exact) *exact = count;
+}
+
+/* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
+   the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
+   quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
+   screened logit may lie from the fp32 one this file's kernels compute (quantisation error and
+   both sums' rounding), +inf for a row that is not finite.
+
+   Pass 1 screens every row over Q (a quarter of the fp32 bytes): approx[n] and M, the largest
+   lower bound approx[n] - r[n] (r[n] = |x|_1 radius[n] + a subnormal margin). Every row whose
+   upper bound reaches M, the largest logit's rows among them (ties and all), is then computed
+   by one_row: the very arithmetic of tandem_rows_f32's output for that row, so the row's value
+   is the full head's bit for bit. The answer is the first index of the largest of them, or of
+   the first NaN, as argmax over the full head's logits gives it (numpy's and torch's).
+
+   Returns the token, or -1 where x is not finite or so large that a sum could overflow (the
+   caller computes the full head then). *exact: how many rows pass 1 left to compute. */
+long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
+                            const float *scale, const float *radius, float wmax, float *approx,
+                            long *exact, int threads) {
+  long token;
+  tandem_head_argmax_rows_f32(&x, 1, K, W, N, Q, scale, radius, wmax, approx, &token, exact,
+                              threads);
+  return token;
 }
 
 /* The screen's rows (screen.py's build): for each row of W [N, K] its largest |weight| m[n]

@@ -67,28 +67,39 @@ static int screened(const struct step_model *M, const long *choose, long r) {
 }
 
 /* The head over rows h [R, D]: logits [R, vocab], or where ``choose`` asks (choose[r] == -2)
-   row r's greedy token alone, from the screen (tandem_head_argmax_f32), written to choose[r]
-   in place of its logits row (left unwritten); -1 there: its logits were written after all (an
-   input the screen does not take). Rows that want logits go through tandem_rows_f32 in runs,
-   their bits a function of their own input alone as ever. approx: vocab floats of
-   scratch where a row is screened. */
+   row r's greedy token alone, from the screen (tandem_head_argmax_rows_f32, up to 4 rows a
+   call reading the screen once), written to choose[r] in place of its logits row (left
+   unwritten); -1 there: its logits were written after all (an input the screen does not
+   take). Rows that want logits go through tandem_rows_f32 in runs, their bits a function of
+   their own input alone as ever. approx: 4 vocab floats of scratch where a row is screened. */
 static void head(const struct step_model *M, const float *h, long R, float *logits, long *choose,
                  float *approx, int threads) {
   const long D = M->D, V = M->vocab;
   long r = 0;
-  while (r < R) {
-    if (screened(M, choose, r)) {
-      long token = tandem_head_argmax_f32(h + r * D, D, M->head, V, M->head_q, M->head_scale,
-                                          M->head_radius, M->head_wmax, approx, NULL, threads);
-      if (token < 0) tandem_rows_f32(h + r * D, D, 1, M->head, V, D, logits + r * V, V, threads);
-      choose[r++] = token;
-      continue;
-    }
+  while (r < R) {  /* the rows that want logits, in runs */
+    if (screened(M, choose, r)) { r++; continue; }
     long r1 = r + 1;
     while (r1 < R && !screened(M, choose, r1)) r1++;
     tandem_rows_f32(h + r * D, D, r1 - r, M->head, V, D, logits + r * V, V, threads);
     for (long k = r; k < r1; k++) if (choose != NULL) choose[k] = -1;
     r = r1;
+  }
+  const float *xs[4];
+  long rows[4], tokens[4], n = 0;
+  for (r = 0; r <= R; r++) {  /* the screened ones, up to 4 a call */
+    if (r < R && screened(M, choose, r)) {
+      xs[n] = h + r * D, rows[n++] = r;
+      if (n < 4) continue;
+    }
+    if (n == 0) continue;
+    tandem_head_argmax_rows_f32(xs, n, D, M->head, V, M->head_q, M->head_scale,
+                                M->head_radius, M->head_wmax, approx, tokens, NULL, threads);
+    for (long i = 0; i < n; i++) {
+      if (tokens[i] < 0)
+        tandem_rows_f32(xs[i], D, 1, M->head, V, D, logits + rows[i] * V, V, threads);
+      choose[rows[i]] = tokens[i];
+    }
+    n = 0;
   }
 }
 
@@ -118,7 +129,7 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
   long *kbufs = malloc((size_t)(3 * R) * sizeof(long));
   int screens = 0;
   for (long r = 0; r < R; r++) screens |= screened(M, choose, r);
-  float *approx = screens ? malloc((size_t)M->vocab * sizeof(float)) : NULL;
+  float *approx = screens ? malloc((size_t)4 * M->vocab * sizeof(float)) : NULL;
   if (buf == NULL || ptrs == NULL || kbufs == NULL || (screens && approx == NULL)) {
     free(buf); free(ptrs); free(kbufs); free(approx);
     return -1;
