@@ -15,8 +15,9 @@
 (c) 4 conversations sent at once, each turn carrying the last answer: aggregate decode tokens/s
     over one stream's, and the tokens each turn re-read.
 
-Each figure is measured with ``parallel`` slots and with one, in the same run; prompts are
-text (random words), answers greedy, the next turn carries the answer's text as a client does.
+Each figure is measured with ``parallel`` slots and with one, in the same run, each against a
+``tandem serve`` of its own (a process apart from this client); prompts are text (random
+words), answers greedy, the next turn carries the answer's text as a client does.
 Single-stream decode against the bandwidth bound is scripts/bench_decode.py's figure (d), and
 memory during a 4k prefill scripts/bench_memory.py's (e).
 """
@@ -26,22 +27,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tandem.config import CacheConfig, Config, EngineConfig, SpeculationConfig  # noqa: E402
-from tandem.logs import configure_logging  # noqa: E402
-from tandem.models import load_model  # noqa: E402
-from tandem.server.app import build_app  # noqa: E402
+from tandem.models.tiny import ensure_tiny  # noqa: E402
 
 
 def _words(seed: int, n: int) -> str:
@@ -49,28 +48,43 @@ def _words(seed: int, n: int) -> str:
 
 
 class Server:
-    def __init__(self, loaded, parallel: int, window: int, home: str):
-        self.config = Config(home=home, engine=EngineConfig(window=window, parallel=parallel),
-                             cache=CacheConfig(store=False),
-                             speculation=SpeculationConfig(suffix_store=False))
-        self.loaded = loaded
+    """``tandem serve`` in a process of its own (the client here shares no interpreter with
+    it: in one process the client's parsing took the engine's GIL time, a few ms a token)."""
+
+    def __init__(self, model_dir: Path, parallel: int, window: int, home: str):
+        self.argv = [sys.executable, "-m", "tandem", "serve", "--model", str(model_dir),
+                     "--host", "127.0.0.1", "--parallel", str(parallel), "--window", str(window),
+                     "--no-store", "--no-suffix-store", "--log-level", "warning"]
+        self.home = home
 
     async def __aenter__(self):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.runner = web.AppRunner(build_app(self.config, self.loaded))
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        self.proc = subprocess.Popen(self.argv + ["--port", str(self.port)], cwd=ROOT,
+                                     env=dict(os.environ, TANDEM_HOME=self.home),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
-        return self
+        for _ in range(1200):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tandem serve exited ({self.proc.returncode})")
+            try:
+                async with self.http.get(f"http://127.0.0.1:{self.port}/v1/models") as r:
+                    if r.status == 200:
+                        self.model = (await r.json())["data"][0]["id"]
+                        return self
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.25)
+        raise RuntimeError("tandem serve did not answer")
 
     async def __aexit__(self, *exc):
         await self.http.close()
-        await self.runner.cleanup()
+        self.proc.terminate()
+        self.proc.wait(30)
 
     async def complete(self, prompt: str, max_tokens: int) -> dict:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft = None
@@ -148,12 +162,12 @@ async def figure_c(server: Server) -> dict:
 
 
 async def main_async(args) -> None:
-    loaded = load_model("tiny", Path(tempfile.mkdtemp()) / "models")
+    model_dir = ensure_tiny(Path(tempfile.mkdtemp()) / "models")
     figures = set(args.figures.split(","))
     rows = []
     for parallel in (args.parallel, 1):
         with tempfile.TemporaryDirectory() as home:
-            async with Server(loaded, parallel, args.window, home) as server:
+            async with Server(model_dir, parallel, args.window, home) as server:
                 got = {}
                 if "a" in figures:
                     got.update(await figure_a(server, args.long, args.turns))
@@ -185,7 +199,6 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32768)
     ap.add_argument("--figures", default="a,b,c")
     args = ap.parse_args()
-    configure_logging("warning")
     asyncio.run(main_async(args))
 
 
