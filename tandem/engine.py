@@ -308,6 +308,7 @@ class VerifyStep:
 
     engine: "Engine"
     token_ids: tuple[int, ...]
+    greedy: bool = False  # as DecodeStep's: may be sent a list of Chosen, one a position
 
 
 Step = Chunk | DecodeStep | VerifyStep
@@ -330,7 +331,7 @@ def forward_step(step: Any) -> torch.Tensor | None:
     if isinstance(step, DecodeStep):
         return step.engine.decode(step.token_id, greedy=step.greedy)
     if isinstance(step, VerifyStep):
-        return step.engine.verify(step.token_ids)
+        return step.engine.verify(step.token_ids, greedy=step.greedy)
     return None
 
 
@@ -360,7 +361,8 @@ def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]
     take its tokens (its window is full) raises before any row is written."""
     if len(steps) == 1:
         step = steps[0]
-        return [step.engine.verify(step.token_ids) if isinstance(step, VerifyStep)
+        return [step.engine.verify(step.token_ids, greedy=step.greedy)
+                if isinstance(step, VerifyStep)
                 else step.engine.decode(step.token_id, greedy=step.greedy)]
     model = steps[0].engine.model
     if any(s.engine.model is not model for s in steps):
@@ -392,11 +394,14 @@ def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> lis
                  else s.engine._decode_position() for s, b in zip(steps, blocks)]
     offsets = [s.engine.rope_delta for s in steps]
     ragged = getattr(model, "forward_ragged", None)
+    choose = [s.greedy for s in steps]
     with torch.inference_mode():
         if ragged is not None:
             logits, sections = ragged([s.engine.state for s in steps], blocks, positions,
                                       verify=[isinstance(s, VerifyStep) for s in steps],
-                                      **({"rope_offsets": offsets} if any(offsets) else {}))
+                                      **({"rope_offsets": offsets} if any(offsets) else {}),
+                                      **({"choose": choose} if any(choose)
+                                         and getattr(model, "chooses", False) else {}))
         else:
             logits, sections = [None] * len(steps), [None] * len(steps)
             decodes = [i for i, s in enumerate(steps) if isinstance(s, DecodeStep)]
@@ -643,12 +648,13 @@ class Engine:
         if self.taint is None:
             self.taint = pos
 
-    def verify(self, token_ids: Sequence[int]) -> torch.Tensor:
+    def verify(self, token_ids: Sequence[int], greedy: bool = False) -> "torch.Tensor | list":
         """Forward a verify block (the last sampled token and the drafts) in one forward; every
-        position's logits ``[n, vocab]``. The rows of the whole block are written and the commit
-        is left pending at its last position until ``accept``, the next forward or ``settle``."""
+        position's logits ``[n, vocab]``, or with ``greedy`` where the model can, a `Chosen`
+        for each. The rows of the whole block are written and the commit is left pending at
+        its last position until ``accept``, the next forward or ``settle``."""
         # the path a block takes in a batch, at B = 1: its bits alone are those in any batch
-        return _ragged_batch(self.model, [VerifyStep(self, tuple(token_ids))])[0]
+        return _ragged_batch(self.model, [VerifyStep(self, tuple(token_ids), greedy)])[0]
 
     def _verify_position(self, n: int) -> int:
         """Before a verify block of ``n`` tokens: the pending commit landed, its first row."""
@@ -870,7 +876,7 @@ class Engine:
                 token = target(logits, out)
                 entry = scored(logits, token)
                 continue
-            block = yield VerifyStep(self, tuple([token] + drafts))
+            block = yield VerifyStep(self, tuple([token] + drafts), greedy_only)
             drafted += len(drafts)
             count, token = 0, None
             for i, proposal in enumerate(drafts):

@@ -106,9 +106,9 @@ def test_the_greedy_shortcut_gives_the_masked_argmax(hybrid, tok, prompt, thinki
 def recording(engine: Engine, blocks: list[list[int]]) -> Engine:
     verify = engine.verify
 
-    def spy(token_ids):
+    def spy(token_ids, **kw):
         blocks.append([len(engine.token_ids)] + list(token_ids))
-        return verify(token_ids)
+        return verify(token_ids, **kw)
     engine.verify = spy
     return engine
 

@@ -205,14 +205,16 @@ class NativeStep:
         return self._run(x, seqs, positions, [], cos, sin, choose)
 
     def ragged(self, x: torch.Tensor, states, ragged, positions: list[int], cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+               sin: torch.Tensor, choose: list[bool] | None = None
+               ) -> torch.Tensor | tuple[torch.Tensor, list[int]]:
         """A ragged step's logits [R, vocab] fp32 (HybridModel.forward_ragged): row r of
         ``ragged.rows`` (sequence b, its row t) at ``positions[r]``; a decode row advances its
         sequence's sections in place, a verify row reads the state its row t - 1 left (its
         sequence's at t = 0) and writes ``ragged.work[b]``'s row t, the sections in place left
         as they were; every row's key and value rows written. The GDN middle runs in
         ``ragged.waves`` as the layer path's run_native does; ``fits`` first, for the states
-        and the work copies alike."""
+        and the work copies alike. ``choose`` as ``__call__``'s, a row of ``ragged.rows``
+        each."""
         seqs = []
         for b, t in ragged.rows:
             s, work = states[b], ragged.work[b]
@@ -225,7 +227,8 @@ class NativeStep:
                     ends += (here if t == 0 else work[name][t - 1].data_ptr(),
                              work[name][t].data_ptr())
             seqs += (*ends, *_kv(s))
-        return self._run(x, seqs, positions, [wave for wave, _ in ragged.waves], cos, sin)
+        return self._run(x, seqs, positions, [wave for wave, _ in ragged.waves], cos, sin,
+                         choose)
 
     def _run(self, x: torch.Tensor, seqs: list[int], positions: list[int],
              waves: list[list[int]], cos: torch.Tensor, sin: torch.Tensor,

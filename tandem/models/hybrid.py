@@ -925,8 +925,8 @@ class HybridModel:
 
     def forward_ragged(self, states: list[ModelState], blocks: list[list[int]],
                        positions: list[int], rope_offsets: list[int] | None = None,
-                       verify: list[bool] | None = None
-                       ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor] | None]]:
+                       verify: list[bool] | None = None, choose: list[bool] | None = None
+                       ) -> tuple[list, list[dict[str, torch.Tensor] | None]]:
         """One step over a ragged batch: sequence b forwards ``blocks[b]`` at positions
         ``positions[b]...``: one token (a decode: its row written, its sections advanced, as
         forward_batch) or a verify block of several (every row written, the sections in place
@@ -947,14 +947,19 @@ class HybridModel:
         same bits for every M from 2 to 39 on every head shape measured (248,320 x 64, 256 and
         1,024, fp32, 2 threads) where rows_linear reads it once a pair. A sequence's logits
         and steps are therefore the same bits alone (Engine.verify runs this at B = 1) and at
-        any place of any batch. Batches of decodes only go to forward_batch: the same bits."""
+        any place of any batch. Batches of decodes only go to forward_batch: the same bits.
+
+        ``choose[b]``: every row of sequence b wants its greedy token alone; where the native
+        step screens them (at most head_screen.ROWS_MAX rows in the step), that sequence's
+        entry is a list of `Chosen`, one a row, in place of its logits."""
         verify = verify or [len(b) > 1 for b in blocks]
         if any(not b or (len(b) > 1 and not v) for b, v in zip(blocks, verify)):
             raise ValueError("a decode forwards one token, a verify block one or more")
         if not any(verify):
             logits = self.forward_batch(states, [b[0] for b in blocks], positions,
-                                        rope_offsets=rope_offsets)
-            return [row[None] for row in logits], [None] * len(blocks)
+                                        rope_offsets=rope_offsets, choose=choose)
+            return ([[row] if isinstance(row, Chosen) else row[None] for row in logits],
+                    [None] * len(blocks))
         if self.graphs is not None and self.graphs.takes(self):
             return self.graphs.verify(self, states, blocks, positions, rope_offsets, verify)
         ragged = _Ragged(states, blocks, verify, self.device)
@@ -972,7 +977,15 @@ class HybridModel:
             # every layer and the head in one native call, the GDN middle in the waves the
             # layer path runs: its kernels in its order, its bits (decode rows and verify rows)
             cos, sin = self._step_rope(turns, len(ids), len(ids))
-            rows = step.ragged(x, states, ragged, at, cos.contiguous(), sin.contiguous())
+            wanted = None if choose is None else [c for c, b in zip(choose, blocks) for _ in b]
+            if wanted is not None and (not step.screens or not any(wanted)
+                                       or sum(wanted) > head_screen.ROWS_MAX):
+                wanted = None  # the full head, read once for every row, is cheaper
+            rows = step.ragged(x, states, ragged, at, cos.contiguous(), sin.contiguous(),
+                               wanted)
+            if wanted is not None:
+                full, tokens = rows
+                rows = [Chosen(t) if t >= 0 else full[r] for r, t in enumerate(tokens)]
             first = 0
             for b, block in enumerate(blocks):
                 logits[b] = rows[first:first + len(block)]

@@ -200,26 +200,43 @@ def test_four_rows_are_chosen_together_and_a_fifth_gets_every_rows_logits(small)
     assert all(torch.equal(a, b) for a, b in zip(out, full))  # over ROWS_MAX: the logits
 
 
-def _generate(model, prompt, params, screened: bool):
+def _generate(model, prompt, params, screened: bool, **kw):
     plan = _plan(model)
     kept = plan._screen
     if not screened:
         plan.set_screen(None)
     try:
         engine = Engine(model, window=256, prefix_chunk=16)
-        return run_steps(engine.generate_steps(prompt, params))
+        return run_steps(engine.generate_steps(prompt, params, **kw))
     finally:
         plan.set_screen(kept)
 
 
 def test_greedy_generation_gives_the_same_tokens_with_the_screen_as_without(small):
-    """Gate: identical greedy tokens (states written by decoding), speculation off and on."""
+    """Gate: identical greedy tokens (states written by decoding), with no drafts, with drafts
+    that are the answer (verify blocks accepted whole: up to 4 rows are screened, longer
+    blocks read the full head) and with drafts that are wrong (every block rejected)."""
     g = torch.Generator().manual_seed(11)
     prompt = torch.randint(0, small.vocab_size, (40,), generator=g).tolist()
     params = SamplingParams(max_tokens=48)
-    on = _generate(small, prompt, params, True)
     off = _generate(small, prompt, params, False)
-    assert on.token_ids == off.token_ids and len(on.token_ids) == 48
+    assert len(off.token_ids) == 48
+    assert _generate(small, prompt, params, True).token_ids == off.token_ids
+    answer = off.token_ids
+
+    def right(context, k):
+        done = len(context) - len(prompt)
+        return answer[done:done + k]
+
+    def wrong(context, k):
+        return [(t + 1) % small.vocab_size for t in right(context, k)]
+
+    for draft in (right, wrong):
+        for k in (2, 3, 8):
+            on = _generate(small, prompt, params, True, draft=draft, draft_max=k)
+            assert on.token_ids == answer
+            assert on.drafted > 0
+            assert on.accepted == (on.drafted if draft is right else 0)
 
 
 def test_a_position_that_wants_logits_is_sent_them(small):
@@ -234,6 +251,26 @@ def test_a_position_that_wants_logits_is_sent_them(small):
         off = _generate(small, prompt, params, False)
         assert on.token_ids == off.token_ids
         assert on.logprobs == off.logprobs
+
+
+def test_a_greedy_verify_block_of_up_to_four_rows_is_sent_its_tokens(small):
+    """A verify block asking for its tokens alone gets each row's argmax of the logits the
+    same block gets on a copy of the sequence; a block of five gets the logits."""
+    from tandem.choices import fork
+
+    _plan(small)
+    g = torch.Generator().manual_seed(14)
+    e = Engine(small, window=128, prefix_chunk=16)
+    run_steps(e.generate_steps(torch.randint(0, small.vocab_size, (10,), generator=g).tolist(),
+                               SamplingParams(max_tokens=1)))
+    for block in ([3, 4, 5], [6, 7, 8, 9, 10]):
+        twin = fork(e, 128)
+        full = twin.verify(block)
+        out = fork(e, 128).verify(block, greedy=True)
+        if len(block) <= screen.ROWS_MAX:
+            assert [c.token for c in out] == [int(r.numpy().argmax()) for r in full]
+        else:
+            assert torch.equal(out, full)
 
 
 def test_decode_batch_sends_a_greedy_step_its_token_and_the_others_their_logits(small):
