@@ -357,8 +357,10 @@ def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]
     batched step (``Model.forward_batch``, with a verify block among them
     ``forward_ragged``: the weights read once; a sequence's logits are the bits it gets
     alone). Each step's logits in order: ``[vocab]`` for a decode, ``[n, vocab]`` for a
-    verify block (left pending, as ``Engine.verify`` leaves it). A step whose engine cannot
-    take its tokens (its window is full) raises before any row is written."""
+    verify block (left pending, as ``Engine.verify`` leaves it); a `Chosen` (a list of them for
+    a verify block) where a step marked ``greedy`` got its token through the model's screen. A
+    step whose engine cannot take its tokens (its window is full) raises before any row is
+    written."""
     if len(steps) == 1:
         step = steps[0]
         return [step.engine.verify(step.token_ids, greedy=step.greedy)

@@ -14,17 +14,18 @@ the first term the quantisation's error, the second both sums' rounding (each ou
 K FMAs and a lane tree of 4 additions, every partial sum under |x|_1 m; the screened sum's
 terms are under |x|_1 127 s, and its product by s rounds once), with K the row's length. The
 radius is that bracket, widened by 2^-10 and rounded up to fp32; the kernel adds a subnormal
-margin. csrc/rows.c's tandem_head_argmax_f32 screens every row, takes M, the largest lower bound
-among them, and computes exactly (the full head's arithmetic for that row, so its very bits)
-every row whose upper bound reaches M: the largest logit's rows are always among them, ties
-included, and the first index of the largest (or of the first NaN) is the argmax's answer.
-A row that is not finite has an infinite radius and is always computed. An input the bound
-does not cover (not finite, or large enough that a sum could overflow) gets the full head.
+margin. csrc/rows.c's tandem_head_argmax_rows_f32 (1 to 4 inputs, the screen read once for
+them) screens every row, takes M, the largest lower bound among them, and computes exactly
+(the full head's arithmetic for that row, so its very bits) every row whose upper bound
+reaches M: the largest logit's rows are always among them, ties included, and the first index
+of the largest (or of the first NaN) is the argmax's answer. A row that is not finite has an
+infinite radius and is always computed. An input the bound does not cover (not finite, or
+large enough that a sum could overflow) gets the full head.
 
 The screen is used only where the logits themselves are not wanted: a greedy position with no
-logprobs, no logits processors and no grammar (tandem.engine: DecodeStep.greedy). It costs the
-head's bytes over four in memory (tiny: 62 MB; the 0.8B-like: 254 MB), built once at load
-(``engine.head_screen`` turns it off).
+logprobs, no logits processors and no grammar (tandem.engine: DecodeStep.greedy and
+VerifyStep.greedy). It costs the head's bytes over four in memory (tiny: 66 MB; the 0.8B-like:
+256 MB), built once at load (``engine.head_screen`` turns it off).
 """
 
 from __future__ import annotations
