@@ -1,0 +1,71 @@
+"""Greedy decode through the head's screen (tandem/kernels/screen.py) end to end: a server
+answers the same requests with the screen and another (a home of its own) with it taken away.
+Gate: identical greedy tokens (text) for chats and completions, streamed or not, with
+speculation's drafts and without; a request that wants logprobs gets the same tokens and
+logprobs (it reads the full head either way). The screened server's greedy tokens do come
+through the screen (the model's step answers with Chosen)."""
+
+import msgspec
+import pytest
+
+from tandem.config import SpeculationConfig
+from tandem.kernels import native
+from tandem.models import hybrid
+from tandem.models.base import Chosen
+from tandem.server.app import build_app
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="the native kernel does not build on this machine")
+
+USER = "Write a few words about the sea, the wind and the boats. " * 6
+
+
+async def _answers(client):
+    out = []
+    chat = await client.chat.completions.create(
+        model="small", messages=[{"role": "user", "content": USER}], max_tokens=24,
+        temperature=0)
+    msg = chat.choices[0].message
+    out.append((msg.content, msg.model_extra.get("reasoning_content")))
+    done = await client.completions.create(model="small", prompt=USER + USER, max_tokens=32,
+                                           temperature=0)
+    out.append(done.choices[0].text)
+    stream = await client.completions.create(model="small", prompt=USER * 3, max_tokens=32,
+                                             temperature=0, stream=True)
+    out.append("".join([c.choices[0].text async for c in stream if c.choices]))
+    scored = await client.completions.create(model="small", prompt=USER, max_tokens=8,
+                                             temperature=0, logprobs=2)
+    out.append((scored.choices[0].text, scored.choices[0].logprobs.token_logprobs))
+    return out
+
+
+@pytest.mark.parametrize("speculation", [True, False])
+async def test_the_screen_answers_as_the_full_head_does(small_loaded, make_config, serve, sdk,
+                                                        speculation, tmp_path, monkeypatch):
+    plan = small_loaded.model._native_step()
+    assert plan is not None and plan.screens
+    config = make_config(window=4096)
+    if not speculation:
+        config = msgspec.structs.replace(config, speculation=SpeculationConfig(speculation="off"))
+    chosen = []
+
+    class Counted(Chosen):
+        def __init__(self, token):
+            chosen.append(token)
+            super().__init__(token)
+
+    monkeypatch.setattr(hybrid, "Chosen", Counted)
+    async with serve(build_app(config, small_loaded)) as server:
+        screened = await _answers(sdk(server))
+    monkeypatch.undo()
+    assert len(chosen) >= 24  # greedy tokens came through the screen (96 were asked for)
+    kept = plan._screen
+    plan.set_screen(None)
+    try:
+        # a home of its own: nothing the first server spilled is read back at this one's start
+        config = msgspec.structs.replace(config, home=str(tmp_path / "full"))
+        async with serve(build_app(config, small_loaded)) as server:
+            full = await _answers(sdk(server))
+    finally:
+        plan.set_screen(kept)
+    assert screened == full
