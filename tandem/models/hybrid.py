@@ -278,6 +278,10 @@ class HybridModel:
         # The captured decode and verify steps (tandem.models.graphs.StepGraphs) on a CUDA
         # device with cuda_graphs on; None: every step runs eagerly (always on a CPU).
         self.graphs = None
+        # greedy-only rows (forward_batch's and forward_ragged's ``choose``): their token
+        # through the head's screen, or the full head's logits (over ROWS_MAX, no screen, or an
+        # input it does not take); /metrics reads them
+        self.screen_counts = {"screened": 0, "full": 0}
 
     # -- loading ---------------------------------------------------------------------------
 
@@ -902,14 +906,19 @@ class HybridModel:
         if step is not None and x.shape[0] == n and x.stride(1) == 1 and step.fits(states):
             # every layer and the head in one native call: the layer path's kernels, its bits
             cos, sin = self._step_rope(turns, n, n)
-            if choose is not None and sum(choose) > head_screen.ROWS_MAX:
-                choose = [False] * n  # the full head, read once for every row, is cheaper
-            if choose is None or not step.screens or not any(choose):
+            wanted = 0 if choose is None else sum(choose)
+            if not wanted or wanted > head_screen.ROWS_MAX or not step.screens:
+                # none asked, or the full head (read once for every row) is cheaper
+                self.screen_counts["full"] += wanted
                 logits = step(x, states, positions, cos.contiguous(), sin.contiguous())
                 return logits if choose is None else list(logits)
             logits, tokens = step(x, states, positions, cos.contiguous(), sin.contiguous(),
                                   choose)
-            return [Chosen(t) if t >= 0 else logits[b] for b, t in enumerate(tokens)]
+            out = [Chosen(t) if t >= 0 else logits[b] for b, t in enumerate(tokens)]
+            chosen = sum(isinstance(o, Chosen) for o in out)
+            self.screen_counts["screened"] += chosen
+            self.screen_counts["full"] += wanted - chosen
+            return out
         # every sequence's sections and rows by layer slot, viewed once a step
         tails = [s.sections["gdn.conv"].unbind(0) for s in states]
         recur = [s.sections["gdn.S"].unbind(0) for s in states]
@@ -978,14 +987,19 @@ class HybridModel:
             # layer path runs: its kernels in its order, its bits (decode rows and verify rows)
             cos, sin = self._step_rope(turns, len(ids), len(ids))
             wanted = None if choose is None else [c for c, b in zip(choose, blocks) for _ in b]
-            if wanted is not None and (not step.screens or not any(wanted)
-                                       or sum(wanted) > head_screen.ROWS_MAX):
+            asked = 0 if wanted is None else sum(wanted)
+            if wanted is not None and (not step.screens or not asked
+                                       or asked > head_screen.ROWS_MAX):
                 wanted = None  # the full head, read once for every row, is cheaper
+                self.screen_counts["full"] += asked
             rows = step.ragged(x, states, ragged, at, cos.contiguous(), sin.contiguous(),
                                wanted)
             if wanted is not None:
                 full, tokens = rows
                 rows = [Chosen(t) if t >= 0 else full[r] for r, t in enumerate(tokens)]
+                chosen = sum(isinstance(o, Chosen) for o in rows)
+                self.screen_counts["screened"] += chosen
+                self.screen_counts["full"] += asked - chosen
             first = 0
             for b, block in enumerate(blocks):
                 logits[b] = rows[first:first + len(block)]

@@ -219,6 +219,15 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                   "Sequences those forwards decoded (over tandem_decode_steps: the mean batch).",
                   lambda: sum(size * n for size, n in
                               (engine.snapshot().get("decode_batches") or {}).items()))
+    counts = getattr(loaded.model, "screen_counts", None)
+    if counts is not None:  # greedy decode through the head's screen (tandem/kernels/screen.py)
+        metrics.gauge("tandem_head_screen_tokens",
+                      "Greedy decode tokens found through the head's int8 screen since the start.",
+                      lambda: counts["screened"])
+        metrics.gauge("tandem_head_screen_full_rows",
+                      "Greedy-only decode rows that read the full head instead (more than 4 in "
+                      "a step, no screen, or an input the screen does not take).",
+                      lambda: counts["full"])
     metrics.gauge("tandem_slots_busy", "Engine slots a request is running in.",
                   lambda: sum(1 for s in engine.snapshot().get("slots") or () if s["busy"]))
     metrics.gauge("tandem_slots_idle", "Engine slots no request is running in.",

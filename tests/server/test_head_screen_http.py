@@ -3,8 +3,9 @@ answers the same requests with the screen and another (a home of its own) with i
 Gate: identical greedy tokens (text) for chats and completions, streamed or not, with
 speculation's drafts and without; a request that wants logprobs gets the same tokens and
 logprobs (it reads the full head either way). The screened server's greedy tokens do come
-through the screen (the model's step answers with Chosen)."""
+through the screen (the model's step answers with Chosen), and /metrics counts them."""
 
+import aiohttp
 import msgspec
 import pytest
 
@@ -55,10 +56,19 @@ async def test_the_screen_answers_as_the_full_head_does(small_loaded, make_confi
             super().__init__(token)
 
     monkeypatch.setattr(hybrid, "Chosen", Counted)
+    before = dict(small_loaded.model.screen_counts)
     async with serve(build_app(config, small_loaded)) as server:
         screened = await _answers(sdk(server))
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{server.port}/metrics") as r:
+                metrics = await r.text()
     monkeypatch.undo()
     assert len(chosen) >= 24  # greedy tokens came through the screen (96 were asked for)
+    # /metrics counts them: the model's counters since its load, this run's among them
+    counts = small_loaded.model.screen_counts
+    assert counts["screened"] - before["screened"] == len(chosen)
+    assert f"tandem_head_screen_tokens {float(counts['screened'])}" in metrics
+    assert f"tandem_head_screen_full_rows {float(counts['full'])}" in metrics
     kept = plan._screen
     plan.set_screen(None)
     try:
