@@ -93,32 +93,13 @@ def build(weight: torch.Tensor) -> HeadScreen:
                       float(np.nextafter(np.float32(wmax), np.float32(np.inf))))
 
 
-def argmax(x: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
-           threads: int | None = None) -> tuple[int, torch.Tensor, int]:
-    """csrc/rows.c's tandem_head_argmax_f32 for one row x [K] over the head ``weight`` and its
-    screen: the token (-1 where the screen does not take x), each row's screened logit, and how
-    many rows were computed exactly. (The native step calls it on its own; this is the same
-    call for tests and benchmarks.)"""
-    import ctypes
-
-    from tandem.kernels.native import function
-
-    n, k = weight.shape
-    x = x.contiguous()
-    approx = torch.empty(n, dtype=torch.float32)
-    exact = ctypes.c_long(0)
-    token = function("tandem_head_argmax_f32")(
-        x.data_ptr(), k, weight.data_ptr(), n, screen.q.data_ptr(), screen.scale.data_ptr(),
-        screen.radius.data_ptr(), screen.wmax, approx.data_ptr(), ctypes.byref(exact),
-        threads if threads is not None else torch.get_num_threads())
-    return int(token), approx, int(exact.value)
-
-
 def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
-                threads: int | None = None) -> tuple[list[int], int]:
-    """tandem_head_argmax_rows_f32 for 1 to 4 rows xs [R, K] at once (the screen read once for
-    them all, as the native step calls it): each row's token as ``argmax`` answers it, and how
-    many rows were computed exactly over them all."""
+                threads: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+    """csrc/rows.c's tandem_head_argmax_rows_f32 for 1 to 4 rows xs [R, K] at once over the head
+    ``weight`` and its screen, the screen read once for them all (as the native step calls it;
+    this is the same call for tests and benchmarks): each row's token (-1 where the screen does
+    not take the row), the screened logits [R, N], and how many rows were computed exactly
+    over them all."""
     import ctypes
 
     from tandem.kernels.native import function
@@ -134,4 +115,12 @@ def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
         ptrs, r, k, weight.data_ptr(), n, screen.q.data_ptr(), screen.scale.data_ptr(),
         screen.radius.data_ptr(), screen.wmax, approx.data_ptr(), tokens, ctypes.byref(exact),
         threads if threads is not None else torch.get_num_threads())
-    return list(tokens), int(exact.value)
+    return list(tokens), approx, int(exact.value)
+
+
+def argmax(x: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
+           threads: int | None = None) -> tuple[int, torch.Tensor, int]:
+    """``argmax_rows`` for one row x [K]: its token, its screened logits [N], the rows computed
+    exactly."""
+    tokens, approx, exact = argmax_rows(x[None], weight, screen, threads)
+    return tokens[0], approx[0], exact

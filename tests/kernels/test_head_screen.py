@@ -1,5 +1,5 @@
-"""The head's screen (tandem/kernels/screen.py, csrc/rows.c's tandem_head_argmax_f32): greedy's
-token from int8 rows and the rows it cannot rule out computed exactly.
+"""The head's screen (tandem/kernels/screen.py, csrc/rows.c's tandem_head_argmax_rows_f32):
+greedy's token from int8 rows and the rows it cannot rule out computed exactly.
 
 Gate: the token is the full head's argmax (numpy's, over tandem_rows_f32's logits: the native
 decode's own bits) for every input, ties and NaN included; every screened logit lies within its
@@ -78,11 +78,11 @@ def test_up_to_four_rows_at_once_each_get_their_own_argmax():
     for r in (1, 2, 3, 4):
         for start in range(0, 12 - r + 1, 3):
             rows = xs[start:start + r].clone()
-            tokens, _ = screen.argmax_rows(rows, w, s)
+            tokens, _, _ = screen.argmax_rows(rows, w, s)
             assert tokens == [_full_argmax(x, w) for x in rows]
     rows = xs[:4].clone()
     rows[2, 0] = float("nan")
-    tokens, _ = screen.argmax_rows(rows, w, s)
+    tokens, _, _ = screen.argmax_rows(rows, w, s)
     assert tokens[2] == -1
     assert [t for i, t in enumerate(tokens) if i != 2] == [_full_argmax(rows[i], w)
                                                           for i in (0, 1, 3)]

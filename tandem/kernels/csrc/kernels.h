@@ -12,9 +12,6 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
                                  const int8_t *Q, const float *scale, const float *radius,
                                  float wmax, float *approx, long *tokens, long *exact,
                                  int threads);
-long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
-                            const float *scale, const float *radius, float wmax, float *approx,
-                            long *exact, int threads);
 
 /* norms.c */
 void tandem_rms_rows_f32(const float *x, long ldx, long rows, long d, const float *gain,

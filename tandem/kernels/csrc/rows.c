@@ -309,9 +309,23 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
   return best;
 }
 
-/* R inputs xs[b] (1 to 4) at once, the screen read once for them all: tokens[b] as
-   tandem_head_argmax_f32 answers for xs[b] (-1 for an input it does not take); approx [R, N]
-   scratch; *exact (may be NULL): the rows computed exactly, over every input. */
+/* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
+   the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
+   quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
+   screened logit may lie from the fp32 one this file's kernels compute (quantisation error and
+   both sums' rounding), +inf for a row that is not finite.
+
+   Pass 1 screens every row over Q (a quarter of the fp32 bytes): approx[n] and M, the largest
+   lower bound approx[n] - r[n] (r[n] = |x|_1 radius[n] + a subnormal margin). Every row whose
+   upper bound reaches M, the largest logit's rows among them (ties and all), is then computed
+   by one_row: the very arithmetic of tandem_rows_f32's output for that row, so the row's value
+   is the full head's bit for bit. The answer is the first index of the largest of them, or of
+   the first NaN, as argmax over the full head's logits gives it (numpy's and torch's).
+
+   R inputs xs[b] (1 to 4) at once, the screen read once for them all: tokens[b] the token,
+   or -1 where xs[b] is not finite or so large that a sum could overflow (the caller computes
+   the full head then); approx [R, N] the screened logits (scratch); *exact (may be NULL): how
+   many rows pass 1 left to compute, over every input. */
 void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
                                  const int8_t *Q, const float *scale, const float *radius,
                                  float wmax, float *approx, long *tokens, long *exact,
@@ -353,30 +367,6 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
   for (long b = 0; b < live; b++)
     tokens[at[b]] = pick(ok[b], K, W, N, radius, approx + b * N, a[b], M[b], &count);
   if (exact) *exact = count;
-}
-
-/* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
-   the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
-   quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
-   screened logit may lie from the fp32 one this file's kernels compute (quantisation error and
-   both sums' rounding), +inf for a row that is not finite.
-
-   Pass 1 screens every row over Q (a quarter of the fp32 bytes): approx[n] and M, the largest
-   lower bound approx[n] - r[n] (r[n] = |x|_1 radius[n] + a subnormal margin). Every row whose
-   upper bound reaches M, the largest logit's rows among them (ties and all), is then computed
-   by one_row: the very arithmetic of tandem_rows_f32's output for that row, so the row's value
-   is the full head's bit for bit. The answer is the first index of the largest of them, or of
-   the first NaN, as argmax over the full head's logits gives it (numpy's and torch's).
-
-   Returns the token, or -1 where x is not finite or so large that a sum could overflow (the
-   caller computes the full head then). *exact: how many rows pass 1 left to compute. */
-long tandem_head_argmax_f32(const float *x, long K, const float *W, long N, const int8_t *Q,
-                            const float *scale, const float *radius, float wmax, float *approx,
-                            long *exact, int threads) {
-  long token;
-  tandem_head_argmax_rows_f32(&x, 1, K, W, N, Q, scale, radius, wmax, approx, &token, exact,
-                              threads);
-  return token;
 }
 
 /* The screen's rows (screen.py's build): for each row of W [N, K] its largest |weight| m[n]
