@@ -182,7 +182,7 @@ def _bench(name: str, model: HybridModel, prompt_len: int, tokens: int, rounds: 
         if "layers" in runs:
             print(f"  native (the whole step in one call) over its layers called one by one: "
                   f"{max(runs['native']) / max(runs['layers']):.2f}x")
-            screen = model._native_step()._screen
+            screen = model._native_step().screen
             print(f"  screened (greedy's token from the head's int8 screen, "
                   f"{screen.nbytes / 1e6:.0f} MB, and the rows it keeps computed exactly) over "
                   f"native: {max(runs['screened']) / max(runs['native']):.2f}x")

@@ -375,16 +375,21 @@ def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]
         return _ragged_batch(model, steps)
     positions = [s.engine._decode_position() for s in steps]
     offsets = [s.engine.rope_delta for s in steps]
-    choose = [s.greedy for s in steps]
     with torch.inference_mode():
         logits = model.forward_batch([s.engine.state for s in steps],
                                      [int(s.token_id) for s in steps], positions,
                                      **({"rope_offsets": offsets} if any(offsets) else {}),
-                                     **({"choose": choose} if any(choose)
-                                        and getattr(model, "chooses", False) else {}))
+                                     **_choose(model, steps))
     for s, pos in zip(steps, positions):
         s.engine._decoded(s.token_id, pos)
     return list(logits)
+
+
+def _choose(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> dict[str, list[bool]]:
+    """The batched forward's ``choose`` keyword where a step wants its greedy token alone and the
+    model takes it (``chooses``); none otherwise."""
+    choose = [s.greedy for s in steps]
+    return {"choose": choose} if any(choose) and getattr(model, "chooses", False) else {}
 
 
 def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]:
@@ -396,14 +401,12 @@ def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> lis
                  else s.engine._decode_position() for s, b in zip(steps, blocks)]
     offsets = [s.engine.rope_delta for s in steps]
     ragged = getattr(model, "forward_ragged", None)
-    choose = [s.greedy for s in steps]
     with torch.inference_mode():
         if ragged is not None:
             logits, sections = ragged([s.engine.state for s in steps], blocks, positions,
                                       verify=[isinstance(s, VerifyStep) for s in steps],
                                       **({"rope_offsets": offsets} if any(offsets) else {}),
-                                      **({"choose": choose} if any(choose)
-                                         and getattr(model, "chooses", False) else {}))
+                                      **_choose(model, steps))
         else:
             logits, sections = [None] * len(steps), [None] * len(steps)
             decodes = [i for i, s in enumerate(steps) if isinstance(s, DecodeStep)]

@@ -100,12 +100,12 @@ class NativeStep:
                              model._eps_value, width, middle, conv_slot, state_slot)
         self._ref = ctypes.byref(self._model)
         self._kv = (len(model.attn_layers), c.num_key_value_heads, c.head_dim)
-        self._screen = None
+        self.screen = None  # set_screen's
 
     def set_screen(self, screen) -> None:
         """The head's screen (tandem.kernels.screen.HeadScreen, kept alive here), or None: a
         row asked for its greedy token alone (``choose``) then gets it from the screen."""
-        self._screen = screen
+        self.screen = screen
         m = self._model
         if screen is None:
             m.head_q = m.head_scale = m.head_radius = None
@@ -113,10 +113,6 @@ class NativeStep:
         else:
             m.head_q, m.head_scale = screen.q.data_ptr(), screen.scale.data_ptr()
             m.head_radius, m.head_wmax = screen.radius.data_ptr(), screen.wmax
-
-    @property
-    def screens(self) -> bool:
-        return self._screen is not None
 
     @classmethod
     def build(cls, model) -> "NativeStep | None":

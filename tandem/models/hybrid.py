@@ -906,19 +906,9 @@ class HybridModel:
         if step is not None and x.shape[0] == n and x.stride(1) == 1 and step.fits(states):
             # every layer and the head in one native call: the layer path's kernels, its bits
             cos, sin = self._step_rope(turns, n, n)
-            wanted = 0 if choose is None else sum(choose)
-            if not wanted or wanted > head_screen.ROWS_MAX or not step.screens:
-                # none asked, or the full head (read once for every row) is cheaper
-                self.screen_counts["full"] += wanted
-                logits = step(x, states, positions, cos.contiguous(), sin.contiguous())
-                return logits if choose is None else list(logits)
-            logits, tokens = step(x, states, positions, cos.contiguous(), sin.contiguous(),
-                                  choose)
-            out = [Chosen(t) if t >= 0 else logits[b] for b, t in enumerate(tokens)]
-            chosen = sum(isinstance(o, Chosen) for o in out)
-            self.screen_counts["screened"] += chosen
-            self.screen_counts["full"] += wanted - chosen
-            return out
+            out = self._screened(step, choose, lambda rows: step(
+                x, states, positions, cos.contiguous(), sin.contiguous(), rows))
+            return out if choose is None or isinstance(out, list) else list(out)
         # every sequence's sections and rows by layer slot, viewed once a step
         tails = [s.sections["gdn.conv"].unbind(0) for s in states]
         recur = [s.sections["gdn.S"].unbind(0) for s in states]
@@ -987,19 +977,8 @@ class HybridModel:
             # layer path runs: its kernels in its order, its bits (decode rows and verify rows)
             cos, sin = self._step_rope(turns, len(ids), len(ids))
             wanted = None if choose is None else [c for c, b in zip(choose, blocks) for _ in b]
-            asked = 0 if wanted is None else sum(wanted)
-            if wanted is not None and (not step.screens or not asked
-                                       or asked > head_screen.ROWS_MAX):
-                wanted = None  # the full head, read once for every row, is cheaper
-                self.screen_counts["full"] += asked
-            rows = step.ragged(x, states, ragged, at, cos.contiguous(), sin.contiguous(),
-                               wanted)
-            if wanted is not None:
-                full, tokens = rows
-                rows = [Chosen(t) if t >= 0 else full[r] for r, t in enumerate(tokens)]
-                chosen = sum(isinstance(o, Chosen) for o in rows)
-                self.screen_counts["screened"] += chosen
-                self.screen_counts["full"] += asked - chosen
+            rows = self._screened(step, wanted, lambda want: step.ragged(
+                x, states, ragged, at, cos.contiguous(), sin.contiguous(), want))
             first = 0
             for b, block in enumerate(blocks):
                 logits[b] = rows[first:first + len(block)]
@@ -1108,10 +1087,28 @@ class HybridModel:
             self._native_plan = plan = native_step.NativeStep.build(self)
             if plan is not None and head_screen.enabled():
                 t0 = time.perf_counter()
-                plan.set_screen(head_screen.build(self.w["lm_head.weight"]))
-                log.info("head_screen_built", nbytes=plan._screen.nbytes,
+                screen = head_screen.build(self.w["lm_head.weight"])
+                plan.set_screen(screen)
+                log.info("head_screen_built", nbytes=screen.nbytes,
                          seconds=round(time.perf_counter() - t0, 2))
         return self._native_plan
+
+    def _screened(self, step: "native_step.NativeStep", wanted: list[bool] | None,
+                  run: Callable[[list[bool] | None], object]) -> torch.Tensor | list:
+        """The native step's rows, ``run(None)``'s logits, or where rows want their greedy token
+        alone (``wanted``, one a row) and the step screens at most head_screen.ROWS_MAX of them
+        (past that the full head, read once for every row, is cheaper), a list: a `Chosen`
+        where the screen answered, the logits row elsewhere. Counted in screen_counts."""
+        asked = 0 if wanted is None else sum(wanted)
+        if not asked or asked > head_screen.ROWS_MAX or step.screen is None:
+            self.screen_counts["full"] += asked
+            return run(None)
+        logits, tokens = run(wanted)
+        rows = [Chosen(t) if t >= 0 else logits[r] for r, t in enumerate(tokens)]
+        chosen = sum(isinstance(row, Chosen) for row in rows)
+        self.screen_counts["screened"] += chosen
+        self.screen_counts["full"] += asked - chosen
+        return rows
 
     def prepare_decode(self) -> None:
         """Build what decode's first step would (the native step's plan, the head's screen), so

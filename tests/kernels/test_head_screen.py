@@ -139,7 +139,7 @@ def small(tmp_path_factory) -> HybridModel:
 
 def _plan(model):
     plan = model._native_step()
-    assert plan is not None and plan.screens
+    assert plan is not None and plan.screen is not None
     return plan
 
 
@@ -202,7 +202,7 @@ def test_four_rows_are_chosen_together_and_a_fifth_gets_every_rows_logits(small)
 
 def _generate(model, prompt, params, screened: bool, **kw):
     plan = _plan(model)
-    kept = plan._screen
+    kept = plan.screen
     if not screened:
         plan.set_screen(None)
     try:

@@ -44,7 +44,7 @@ async def _answers(client):
 async def test_the_screen_answers_as_the_full_head_does(small_loaded, make_config, serve, sdk,
                                                         speculation, tmp_path, monkeypatch):
     plan = small_loaded.model._native_step()
-    assert plan is not None and plan.screens
+    assert plan is not None and plan.screen is not None
     config = make_config(window=4096)
     if not speculation:
         config = msgspec.structs.replace(config, speculation=SpeculationConfig(speculation="off"))
@@ -69,7 +69,7 @@ async def test_the_screen_answers_as_the_full_head_does(small_loaded, make_confi
     assert counts["screened"] - before["screened"] == len(chosen)
     assert f"tandem_head_screen_tokens {float(counts['screened'])}" in metrics
     assert f"tandem_head_screen_full_rows {float(counts['full'])}" in metrics
-    kept = plan._screen
+    kept = plan.screen
     plan.set_screen(None)
     try:
         # a home of its own: nothing the first server spilled is read back at this one's start
