@@ -140,8 +140,9 @@ SIGNATURES.update({
 # allocate its buffers (decodes, and verify blocks with their GDN middle in waves)
 SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _I]
 # csrc/rows.c: greedy's token from the head's screen (screen.py); -1 where it gets the full head
-SIGNATURES["tandem_head_argmax_rows_f32"] = [_P, _L, _L, _P, _L, _P, _P, _P, _F, _P, _P, _P, _I]
-SIGNATURES["tandem_head_screen_rows_f32"] = [_P, _L, _L, _P, _P, _P, _P, _P, _I]
+SIGNATURES["tandem_head_argmax_rows_f32"] = [_P, _L, _L, _P, _L, _P, _P, _P, _P, _F, _P, _P, _P,
+                                              _P, _I]
+SIGNATURES["tandem_head_screen_rows_f32"] = [_P, _L, _L, _P, _P, _P, _P, _P, _P, _I]
 RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I}  # the rest return void
 
 

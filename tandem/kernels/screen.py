@@ -4,23 +4,34 @@ token the full head's argmax gives.
 A decode step on `tiny` reads 271 MB of weights, 254 of them the tied head (248,320 x 256,
 fp32): at this machine's read rate the head is most of a token's time. Greedy decoding needs
 only the largest logit's index. The screen keeps the head's rows as int8 with a scale a row (a
-quarter of the bytes) and, per row, a radius: a bound, per unit of the hidden row's |x|_1, on
-how far the row's screened logit can lie from the fp32 logit the native kernels compute for it.
-For row n with scale s, int8 row q, largest |weight| m and largest |W[n, k] - s q[k]| e:
+quarter of the bytes) and, per row, two radii bounding how far the row's screened logit can lie
+from the fp32 logit the native kernels compute for it.
 
-    |logit - screened| <= |x|_1 (e + g (m + 127 s)),   g = (2K + 16) 2^-24
+The screened logit of row n (scale s, int8 row q) for an input x is s (t S): the input is
+quantised to int16, xq = round(x / t) with t = max|x| / X (csrc/rows.c; |xq| <= X, small
+enough that S = sum_k q[k] xq[k] is an exact int32 sum), d = max_k |x[k] - t xq[k]| its
+error. With m the row's largest |weight|, e its largest |W[n, k] - s q[k]| and Q1 = sum_k
+|q[k]|:
 
-the first term the quantisation's error, the second both sums' rounding (each output is at most
-K FMAs and a lane tree of 4 additions, every partial sum under |x|_1 m; the screened sum's
-terms are under |x|_1 127 s, and its product by s rounds once), with K the row's length. The
-radius is that bracket, widened by 2^-10 and rounded up to fp32; the kernel adds a subnormal
-margin. csrc/rows.c's tandem_head_argmax_rows_f32 (1 to 4 inputs, the screen read once for
-them) screens every row, takes M, the largest lower bound among them, and computes exactly
-(the full head's arithmetic for that row, so its very bits) every row whose upper bound
-reaches M: the largest logit's rows are always among them, ties included, and the first index
-of the largest (or of the first NaN) is the argmax's answer. A row that is not finite has an
-infinite radius and is always computed. An input the bound does not cover (not finite, or
-large enough that a sum could overflow) gets the full head.
+    sum_k W x - s t S = sum_k (W - s q) x + s sum_k q (x - t xq)   so within  e |x|_1 + s Q1 d;
+    the fp32 logit lies within g m |x|_1 of sum_k W x   (g = (2K + 16) 2^-24: at most K FMAs
+        and a lane tree of 4 additions, every partial sum under m |x|_1);
+    s (t S) in float lies within 4 2^-24 127 s (|x|_1 + K d) of s t S   (three roundings of
+        a value under 127 s sum_k |t xq[k]|),
+
+so |logit - screened| <= |x|_1 radius[n] + d rq[n], with
+
+    radius = e + g m + 4 2^-24 127 s,   rq = s (Q1 + 4 2^-24 127 K),
+
+each widened by 2^-10 and rounded up to fp32; the kernel adds a subnormal margin.
+csrc/rows.c's tandem_head_argmax_rows_f32 (1 to 4 inputs, the screen read once for them)
+screens every row in integer sums (vpmaddwd: 16 products a uop, twice the fp32 FMA's lanes,
+which matters when 4 inputs share the read), takes M, the largest lower bound among them, and
+computes exactly (the full head's arithmetic for that row, so its very bits) every row whose
+upper bound reaches M: the largest logit's rows are always among them, ties included, and the
+first index of the largest (or of the first NaN) is the argmax's answer. A row that is not
+finite has an infinite radius and is always computed. An input the bound does not cover (not
+finite, or large enough that a sum could overflow) gets the full head.
 
 The screen is used only where the logits themselves are not wanted: a greedy position with no
 logprobs, no logits processors and no grammar (tandem.engine: DecodeStep.greedy and
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -59,11 +71,27 @@ class HeadScreen:
     q: torch.Tensor       # [N, K] int8
     scale: torch.Tensor   # [N] fp32
     radius: torch.Tensor  # [N] fp32, per unit of |x|_1; inf for a row that is not finite
+    rq: torch.Tensor      # [N] fp32, per unit of the input's int16 error d
     wmax: float           # the largest |weight| of the finite rows
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.radius))
+        return sum(t.numel() * t.element_size()
+                   for t in (self.q, self.scale, self.radius, self.rq))
+
+
+class Screened(NamedTuple):
+    tokens: list[int]     # each row's token, -1 where the screen does not take the row
+    approx: torch.Tensor  # the screened logits [R, N]
+    exact: int            # rows computed exactly, over every input
+    xerr: list[float]     # each input's int16 error d (0 where not taken)
+
+
+def _up(v: np.ndarray) -> torch.Tensor:
+    """float64 values as fp32, rounded up: never under them."""
+    r32 = v.astype(np.float32)
+    r32 = np.where(r32.astype(np.float64) < v, np.nextafter(r32, np.float32(np.inf)), r32)
+    return torch.from_numpy(r32.astype(np.float32))
 
 
 def build(weight: torch.Tensor) -> HeadScreen:
@@ -77,29 +105,26 @@ def build(weight: torch.Tensor) -> HeadScreen:
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int8)
     scale = torch.empty(n, dtype=torch.float32)
-    m, e = np.empty(n, dtype=np.float64), np.empty(n, dtype=np.float64)
+    m, e, q1 = (np.empty(n, dtype=np.float64) for _ in range(3))
     finite = np.empty(n, dtype=np.uint8)
     function("tandem_head_screen_rows_f32")(
         weight.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), m.ctypes.data, e.ctypes.data,
-        finite.ctypes.data, torch.get_num_threads())
-    g = (2 * k + 16) * 2.0 ** -24
-    radius = (e + g * (m + 127 * scale.numpy().astype(np.float64))) * (1 + 2.0 ** -10)
+        q1.ctypes.data, finite.ctypes.data, torch.get_num_threads())
+    g, u = (2 * k + 16) * 2.0 ** -24, 4 * 2.0 ** -24 * 127
+    s = scale.numpy().astype(np.float64)
+    radius = (e + g * m + u * s) * (1 + 2.0 ** -10)
     radius[finite == 0] = math.inf
-    # fp32, rounded up: never under the float64 bound
-    r32 = radius.astype(np.float32)
-    r32 = np.where(r32.astype(np.float64) < radius, np.nextafter(r32, np.float32(np.inf)), r32)
+    rq = s * (q1 + u * k) * (1 + 2.0 ** -10)
     wmax = float(m[finite != 0].max()) if finite.any() else 0.0
-    return HeadScreen(q, scale, torch.from_numpy(r32.astype(np.float32)),
+    return HeadScreen(q, scale, _up(radius), _up(rq),
                       float(np.nextafter(np.float32(wmax), np.float32(np.inf))))
 
 
 def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
-                threads: int | None = None) -> tuple[list[int], torch.Tensor, int]:
+                threads: int | None = None) -> Screened:
     """csrc/rows.c's tandem_head_argmax_rows_f32 for 1 to 4 rows xs [R, K] at once over the head
     ``weight`` and its screen, the screen read once for them all (as the native step calls it;
-    this is the same call for tests and benchmarks): each row's token (-1 where the screen does
-    not take the row), the screened logits [R, N], and how many rows were computed exactly
-    over them all."""
+    this is the same call for tests and benchmarks)."""
     import ctypes
 
     from tandem.kernels.native import function
@@ -110,17 +135,17 @@ def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
     xs = xs.contiguous()
     ptrs = (ctypes.c_void_p * r)(*(xs[i].data_ptr() for i in range(r)))
     approx = torch.empty(r, n, dtype=torch.float32)
-    tokens, exact = (ctypes.c_long * r)(), ctypes.c_long(0)
+    tokens, exact, xerr = (ctypes.c_long * r)(), ctypes.c_long(0), (ctypes.c_double * r)()
     function("tandem_head_argmax_rows_f32")(
         ptrs, r, k, weight.data_ptr(), n, screen.q.data_ptr(), screen.scale.data_ptr(),
-        screen.radius.data_ptr(), screen.wmax, approx.data_ptr(), tokens, ctypes.byref(exact),
-        threads if threads is not None else torch.get_num_threads())
-    return list(tokens), approx, int(exact.value)
+        screen.radius.data_ptr(), screen.rq.data_ptr(), screen.wmax, approx.data_ptr(), tokens,
+        ctypes.byref(exact), xerr, threads if threads is not None else torch.get_num_threads())
+    return Screened(list(tokens), approx, int(exact.value), list(xerr))
 
 
 def argmax(x: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
-           threads: int | None = None) -> tuple[int, torch.Tensor, int]:
+           threads: int | None = None) -> tuple[int, torch.Tensor, int, float]:
     """``argmax_rows`` for one row x [K]: its token, its screened logits [N], the rows computed
-    exactly."""
-    tokens, approx, exact = argmax_rows(x[None], weight, screen, threads)
-    return tokens[0], approx[0], exact
+    exactly, its int16 error."""
+    out = argmax_rows(x[None], weight, screen, threads)
+    return out.tokens[0], out.approx[0], out.exact, out.xerr[0]

@@ -70,7 +70,7 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _L), ("D", _L), ("vocab", _L), ("layer", ctypes.POINTER(_Layer)),
                 ("final_norm", _P), ("head", _P), ("eps", _F), ("width", _L), ("middle", _L),
                 ("conv_slot", _L), ("state_slot", _L), ("head_q", _P), ("head_scale", _P),
-                ("head_radius", _P), ("head_wmax", _F)]  # step.c's struct step_model
+                ("head_radius", _P), ("head_rq", _P), ("head_wmax", _F)]  # step.c's struct step_model
 
 
 def _fp32_runs(*tensors: torch.Tensor | None) -> bool:
@@ -108,11 +108,12 @@ class NativeStep:
         self.screen = screen
         m = self._model
         if screen is None:
-            m.head_q = m.head_scale = m.head_radius = None
+            m.head_q = m.head_scale = m.head_radius = m.head_rq = None
             m.head_wmax = 0.0
         else:
             m.head_q, m.head_scale = screen.q.data_ptr(), screen.scale.data_ptr()
-            m.head_radius, m.head_wmax = screen.radius.data_ptr(), screen.wmax
+            m.head_radius, m.head_rq = screen.radius.data_ptr(), screen.rq.data_ptr()
+            m.head_wmax = screen.wmax
 
     @classmethod
     def build(cls, model) -> "NativeStep | None":

@@ -62,7 +62,7 @@ def test_the_screened_token_is_the_full_heads_argmax_ties_and_extremes_included(
     s = screen.build(w)
     exact_total = 0
     for x in _inputs(w.shape[1], 60):
-        token, approx, exact = screen.argmax(x, w, s)
+        token, approx, exact, _ = screen.argmax(x, w, s)
         assert token == _full_argmax(x, w)
         exact_total += exact
     # the screen rules rows out: most of the head is never computed in fp32
@@ -78,11 +78,11 @@ def test_up_to_four_rows_at_once_each_get_their_own_argmax():
     for r in (1, 2, 3, 4):
         for start in range(0, 12 - r + 1, 3):
             rows = xs[start:start + r].clone()
-            tokens, _, _ = screen.argmax_rows(rows, w, s)
+            tokens = screen.argmax_rows(rows, w, s).tokens
             assert tokens == [_full_argmax(x, w) for x in rows]
     rows = xs[:4].clone()
     rows[2, 0] = float("nan")
-    tokens, _, _ = screen.argmax_rows(rows, w, s)
+    tokens = screen.argmax_rows(rows, w, s).tokens
     assert tokens[2] == -1
     assert [t for i, t in enumerate(tokens) if i != 2] == [_full_argmax(rows[i], w)
                                                           for i in (0, 1, 3)]
@@ -92,12 +92,37 @@ def test_every_screened_logit_lies_within_its_bound():
     w = _head(seed=3)
     s = screen.build(w)
     for x in _inputs(w.shape[1], 20, seed=4):
-        token, approx, _ = screen.argmax(x, w, s)
+        token, approx, _, d = screen.argmax(x, w, s)
         exact = native.rows_f32(x[None], w)[0].double()
-        bound = x.double().abs().sum() * s.radius.double()
+        bound = x.double().abs().sum() * s.radius.double() + d * s.rq.double()
         gap = (approx.double() - exact).abs()
         finite = torch.isfinite(s.radius)
         assert bool((gap[finite] <= bound[finite] + 1e-40).all())
+
+
+def test_the_inputs_own_int16_error_is_inside_the_bound():
+    """A head whose rows int8 holds exactly (integers, each row reaching 127: no quantisation
+    error of the weights) and inputs with one large entry: the screen's error is then the
+    input's int16 rounding alone, which the |x|_1 term does not cover, and the d rq term
+    must."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randint(-127, 128, (4000, 24), generator=g).float()
+    w[:, 5] = 127.0
+    w[2000:2010] = w[1000]  # ties, to be broken as argmax breaks them
+    s = screen.build(w.contiguous())
+    beyond = 0
+    for i in range(40):
+        x = torch.randn(24, generator=g) * 0.01
+        x[i % 24] = 50.0
+        x[5] = 0.0  # the column every row shares adds nothing
+        token, approx, _, d = screen.argmax(x, w, s)
+        assert token == _full_argmax(x, w)
+        exact = native.rows_f32(x[None], w)[0].double()
+        gap = (approx.double() - exact).abs()
+        within = x.double().abs().sum() * s.radius.double()
+        assert d > 0 and bool((gap <= within + d * s.rq.double() + 1e-40).all())
+        beyond += int((gap > within).sum())
+    assert beyond > 0  # the case this test is for: the |x|_1 term alone falls short
 
 
 def test_a_tie_goes_to_the_first_row_as_argmax_has_it():
@@ -117,7 +142,7 @@ def test_rows_that_are_not_finite_are_always_computed_and_answer_as_argmax():
     s = screen.build(w)
     assert s.radius[30] == float("inf") and s.radius[31] == float("inf")
     for x in _inputs(w.shape[1], 10, seed=6):
-        token, _, _ = screen.argmax(x, w, s)
+        token = screen.argmax(x, w, s)[0]
         assert token == _full_argmax(x, w)
 
 

@@ -10,8 +10,8 @@ void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, l
                      long ldy, int threads);
 void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
                                  const int8_t *Q, const float *scale, const float *radius,
-                                 float wmax, float *approx, long *tokens, long *exact,
-                                 int threads);
+                                 const float *rq, float wmax, float *approx, long *tokens,
+                                 long *exact, double *xerr, int threads);
 
 /* norms.c */
 void tandem_rms_rows_f32(const float *x, long ldx, long rows, long d, const float *gain,

@@ -11,6 +11,7 @@
    may come in either order; nothing here is compiled with -ffast-math (no reassociation). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd16.h"
 
@@ -225,77 +226,122 @@ void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, l
 }
 
 
-/* Screened sums of WR int8 rows by BB inputs (WR * BB <= 4 accumulators of two halves on AVX2,
-   beside the row and the inputs), the rows read once for the BB: out[b * WR + r]. */
-#define QKERNEL(NAME, WR, BB) \
-static inline void NAME(const float *const *xs, const int8_t *q, long K, float *out) { \
-  vf16 acc[WR * BB]; \
-  for (int j = 0; j < WR * BB; j++) acc[j] = v_setzero_ps(); \
+/* Pass 1's integer sums. Each input is quantised to int16 (xq = round(x / t), |xq| <= X, t =
+   max|x| / X a float, X small enough that no sum over K terms of 127 X leaves int32), so a
+   row's screened sum S = sum_k q[k] xq[k] is exact: vpmaddwd takes 16 int8-widened weights by
+   16 int16 inputs a uop, twice the fp32 FMA path's 8 lanes, and the inputs' quantisation
+   error enters the bound as d * rq[n] (screen.py). Integer addition associates, so how the
+   lanes are summed does not matter. */
+static inline __m128i hsum4_epi32(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
+  __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* WR int8 rows n.. by BB int16 inputs (WR * BB <= 8 accumulators), the rows read once for the
+   BB: their screened logits approx[b * N + n + r] = scale (t[b] S). */
+#define IKERNEL(NAME, WR, BB) \
+static inline void NAME(const int16_t *const *xq, const float *t, const int8_t *Q, \
+                        const float *scale, long K, long N, long n, float *approx) { \
+  const int8_t *q = Q + n * K; \
+  __m256i acc[8]; \
+  for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256(); \
   long k = 0; \
-  for (; k + 16 <= K; k += 16) \
-    for (int r = 0; r < WR; r++) { \
-      vf16 w = v_cvtepi8_ps(q + r * K + k); \
-      for (int b = 0; b < BB; b++) \
-        acc[r * BB + b] = v_fmadd_ps(w, v_loadu_ps(xs[b] + k), acc[r * BB + b]); \
+  for (; k + 16 <= K; k += 16) { \
+    __m256i w[WR]; \
+    for (int r = 0; r < WR; r++) \
+      w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + r * K + k))); \
+    for (int b = 0; b < BB; b++) { \
+      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq[b] + k)); \
+      for (int r = 0; r < WR; r++) \
+        acc[r * BB + b] = _mm256_add_epi32(acc[r * BB + b], _mm256_madd_epi16(w[r], x)); \
     } \
+  } \
+  int32_t s[8]; \
+  _mm_storeu_si128((__m128i *)s, hsum4_epi32(acc[0], acc[1], acc[2], acc[3])); \
+  if (WR * BB > 4) \
+    _mm_storeu_si128((__m128i *)(s + 4), hsum4_epi32(acc[4], acc[5], acc[6], acc[7])); \
   for (int r = 0; r < WR; r++) \
     for (int b = 0; b < BB; b++) { \
-      float t = tree1(acc[r * BB + b]); \
-      for (long j = k; j < K; j++) t += xs[b][j] * (float)q[r * K + j]; \
-      out[b * WR + r] = t; \
+      int32_t v = s[r * BB + b]; \
+      for (long j = k; j < K; j++) v += (int32_t)xq[b][j] * (int32_t)q[r * K + j]; \
+      approx[b * N + n + r] = scale[n + r] * (t[b] * (float)v); \
     } \
 }
-QKERNEL(q1x1, 1, 1)
-QKERNEL(q4x1, 4, 1)  /* one input: four rows' chains interleaved (one waits on FMA latency) */
-QKERNEL(q2x2, 2, 2)
-QKERNEL(q1x3, 1, 3)
-QKERNEL(q1x4, 1, 4)
+IKERNEL(i1x1, 1, 1)
+IKERNEL(i4x1, 4, 1)
+IKERNEL(i2x2, 2, 2)
+IKERNEL(i2x3, 2, 3)
+IKERNEL(i1x4, 1, 4)
 
-/* Screened logits approx[b * N + n] of rows [n0, n1) for R (1 to 4) inputs. */
-static void screen_rows(const float *const *xs, long R, const int8_t *Q, const float *scale,
-                        long K, long N, long n0, long n1, float *approx) {
-  float dots[4];
+/* Screened logits approx[b * N + n] of rows [n0, n1) for R (1 to 4) inputs: a loop for each R,
+   so that each kernel's epilogue is straight code. */
+static void screen_rows(const int16_t *const *xq, const float *t, long R, const int8_t *Q,
+                        const float *scale, long K, long N, long n0, long n1, float *approx) {
   long n = n0;
-  const long step = R == 1 ? 4 : R == 2 ? 2 : 1;
-  for (; n + step <= n1; n += step) {
-    const int8_t *q = Q + n * K;
-    if (R == 1) q4x1(xs, q, K, dots);
-    else if (R == 2) q2x2(xs, q, K, dots);
-    else if (R == 3) q1x3(xs, q, K, dots);
-    else q1x4(xs, q, K, dots);
-    for (long b = 0; b < R; b++)
-      for (long r = 0; r < step; r++) approx[b * N + n + r] = scale[n + r] * dots[b * step + r];
+  switch (R) {
+    case 1: for (; n + 4 <= n1; n += 4) i4x1(xq, t, Q, scale, K, N, n, approx); break;
+    case 2: for (; n + 2 <= n1; n += 2) i2x2(xq, t, Q, scale, K, N, n, approx); break;
+    case 3: for (; n + 2 <= n1; n += 2) i2x3(xq, t, Q, scale, K, N, n, approx); break;
+    default: for (; n < n1; n++) i1x4(xq, t, Q, scale, K, N, n, approx); break;
   }
   for (; n < n1; n++)
-    for (long b = 0; b < R; b++) {
-      q1x1(xs + b, Q + n * K, K, dots);
-      approx[b * N + n] = scale[n] * dots[0];
-    }
+    for (long b = 0; b < R; b++) i1x1(xq + b, t + b, Q, scale, K, N, n, approx + b * N);
+}
+
+/* A lower bound of the largest logit from rows [n0, n1) for one input (approx, a, d): the
+   exact (double) lower bound approx[j] - r[j] of the row j whose float estimate of it is the
+   largest. Any row's lower bound is one of the largest logit's, so the float estimate only
+   picks the row (NaN and -inf estimates never); -inf where no row gives a finite one. */
+static double lower_max(const float *approx, const float *radius, const float *rq, double a,
+                        double d, double margin, long n0, long n1) {
+  const vf16 af = v_set1_ps((float)a), df = v_set1_ps((float)d), none = v_set1_ps(-INFINITY);
+#define LOWER(J, LANES) v_mask_mov_ps(none, (LANES), v_sub_ps( \
+    v_maskz_loadu_ps((LANES), approx + (J)), v_fmadd_ps(af, v_maskz_loadu_ps((LANES), radius + (J)), \
+    v_mul_ps(df, v_maskz_loadu_ps((LANES), rq + (J))))))
+  vf16 best = none;
+  for (long j = n0; j < n1; j += 16) best = v_max_ps(LOWER(j, tail_mask(n1 - j)), best);
+  float lanes[16], top = -INFINITY;
+  v_storeu_ps(lanes, best);
+  for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
+  if (!(top > -INFINITY)) return -INFINITY;
+  for (long j = n0; j < n1; j += 16) {  /* the first row that gave it */
+    mask16 hit = v_cmp_ps_mask(LOWER(j, tail_mask(n1 - j)), v_set1_ps(top), _CMP_EQ_OQ);
+    if (!hit) continue;
+    const long at = j + __builtin_ctz(hit);
+    return (double)approx[at] - (a * (double)radius[at] + d * (double)rq[at] + margin);
+  }
+#undef LOWER
+  return -INFINITY;
 }
 
 /* Pass 2 for one input: the rows whose upper bound reaches M computed exactly, their argmax. */
 static long pick(const float *x, long K, const float *W, long N, const float *radius,
-                 const float *approx, double a, double M, long *exact) {
+                 const float *rq, const float *approx, double a, double d, double M,
+                 long *exact) {
   const double margin = (double)(2 * K + 16) * 0x1p-149;  /* subnormal products' error */
-  /* 16 rows at a time: a float test lets through every row the double test below would
-     (hi + 2^-18 |hi| covers the float FMA's and additions' rounding; a NaN passes), so the
-     double test runs on the few that pass. */
+  /* 16 rows at a time: a float test lets through every row the double test below would, so
+     the double test runs on the few that pass. The radius a r + d rq (no cancellation: every
+     term >= 0) is widened by 2^-20 past its float rounding, so it is never under the double
+     one; approx + radius then rounds once, relative to itself, which 2^-18 |hi| covers (and
+     1e-37 an underflow); a NaN passes. */
   const float Mf = nextafterf((float)M, -INFINITY);
   const vf16 af = v_set1_ps(nextafterf((float)a, INFINITY)), slack = v_set1_ps(0x1p-18f);
+  const vf16 df = v_set1_ps(nextafterf((float)d, INFINITY)), grow = v_set1_ps(1.0f + 0x1p-20f);
   const vf16 mv = v_set1_ps(Mf), zero = v_setzero_ps(), least = v_set1_ps(1e-37f);
   long best = -1, count = 0;
   float top = 0.0f;
   int nan_seen = 0;
   for (long j0 = 0; j0 < N; j0 += 16) {
     const mask16 lanes = tail_mask(N - j0);
-    vf16 hi = v_fmadd_ps(af, v_maskz_loadu_ps(lanes, radius + j0),
-                         v_maskz_loadu_ps(lanes, approx + j0));
+    vf16 rad = v_fmadd_ps(af, v_maskz_loadu_ps(lanes, radius + j0),
+                          v_mul_ps(df, v_maskz_loadu_ps(lanes, rq + j0)));
+    vf16 hi = v_add_ps(v_maskz_loadu_ps(lanes, approx + j0), v_mul_ps(rad, grow));
     vf16 mag = v_max_ps(hi, v_sub_ps(zero, hi));
     hi = v_add_ps(v_add_ps(hi, v_mul_ps(slack, mag)), least);
     mask16 pass = v_cmp_ps_mask(hi, mv, _CMP_NLT_UQ) & lanes;
     for (long j = j0; pass; j++, pass >>= 1) {
       if (!(pass & 1)) continue;
-      double r = a * (double)radius[j] + margin;
+      double r = a * (double)radius[j] + d * (double)rq[j] + margin;
       if (!((double)approx[j] + r >= M) && isfinite(approx[j]) && isfinite(radius[j]))
         continue;  /* provably below */
       float v = one_row(x, W + j * K, K);
@@ -312,25 +358,28 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
 /* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
    the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
    quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
-   screened logit may lie from the fp32 one this file's kernels compute (quantisation error and
-   both sums' rounding), +inf for a row that is not finite.
+   screened logit may lie from the fp32 one this file's kernels compute (the weights'
+   quantisation error, the fp32 sum's rounding and the screened product's), +inf for a row
+   that is not finite; rq[n] bounds it per unit of the input's own quantisation error d.
 
-   Pass 1 screens every row over Q (a quarter of the fp32 bytes): approx[n] and M, the largest
-   lower bound approx[n] - r[n] (r[n] = |x|_1 radius[n] + a subnormal margin). Every row whose
-   upper bound reaches M, the largest logit's rows among them (ties and all), is then computed
-   by one_row: the very arithmetic of tandem_rows_f32's output for that row, so the row's value
-   is the full head's bit for bit. The answer is the first index of the largest of them, or of
-   the first NaN, as argmax over the full head's logits gives it (numpy's and torch's).
+   Pass 1 screens every row over Q (a quarter of the fp32 bytes) with the input quantised to
+   int16, in exact integer sums: approx[n], and M, a lower bound of the largest logit: the
+   largest (or close to it) of the rows' lower bounds approx[n] - r[n] (r[n] = |x|_1 radius[n]
+   + d rq[n] + a subnormal margin). Every row whose upper bound reaches M,
+   the largest logit's rows among them (ties and all), is then computed by one_row: the very
+   arithmetic of tandem_rows_f32's output for that row, so the row's value is the full head's
+   bit for bit. The answer is the first index of the largest of them, or of the first NaN, as
+   argmax over the full head's logits gives it (numpy's and torch's).
 
    R inputs xs[b] (1 to 4) at once, the screen read once for them all: tokens[b] the token,
    or -1 where xs[b] is not finite or so large that a sum could overflow (the caller computes
    the full head then); approx [R, N] the screened logits (scratch); *exact (may be NULL): how
-   many rows pass 1 left to compute, over every input. */
+   many rows pass 1 left to compute, over every input; xerr[b] (may be NULL): input b's d. */
 void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
                                  const int8_t *Q, const float *scale, const float *radius,
-                                 float wmax, float *approx, long *tokens, long *exact,
-                                 int threads) {
-  double a[4], M[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+                                 const float *rq, float wmax, float *approx, long *tokens,
+                                 long *exact, double *xerr, int threads) {
+  double a[4], d[4], M[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
   const float *ok[4];
   long live = 0, at[4];
   for (long b = 0; b < R; b++) {
@@ -342,39 +391,64 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
     }
     sum *= 1.0 + 1e-12;  /* the double sum's own rounding (K terms of 2^-53) */
     tokens[b] = -1;
+    if (xerr) xerr[b] = 0.0;
     /* every partial sum of either path stays under a |W|max <= 1e36 and 127 a <= 1e36 */
     if (!finite || sum > 1e34 || sum * (double)wmax > 1e36) continue;
     a[live] = sum, ok[live] = xs[b], at[live++] = b;
   }
   if (exact) *exact = 0;
   if (live == 0) return;
+  /* the inputs in int16 with |xq| <= X: K products of 127 X stay within int32 */
+  const long X = K <= 2147483647L / (127L * 32767L) ? 32767L : 2147483647L / (127L * K);
+  int16_t *xq = malloc(sizeof(int16_t) * live * K);
+  if (xq == NULL) return;  /* every token -1: the full head */
+  const int16_t *xqs[4];
+  float t[4];
+  for (long b = 0; b < live; b++) {
+    const float *x = ok[b];
+    int16_t *o = xq + b * K;
+    float A = 0.0f;
+    for (long k = 0; k < K; k++) A = fabsf(x[k]) > A ? fabsf(x[k]) : A;
+    const float tb = A / (float)X;
+    double err = 0.0;
+    for (long k = 0; k < K; k++) {
+      float v = tb > 0.0f ? nearbyintf(x[k] / tb) : 0.0f;
+      v = v > (float)X ? (float)X : v < -(float)X ? -(float)X : v;
+      o[k] = (int16_t)v;
+      double e = fabs((double)x[k] - (double)tb * (double)v);  /* tb v is exact in double */
+      err = e > err ? e : err;
+    }
+    t[b] = tb, d[b] = err * (1.0 + 0x1p-50), xqs[b] = o;  /* the subtraction's rounding */
+    if (xerr) xerr[at[b]] = d[b];
+  }
   const double margin = (double)(2 * K + 16) * 0x1p-149;
   long chunk = (N + 4 * threads - 1) / (4 * threads);
   chunk = (chunk + 3) / 4 * 4;
   long tasks = (N + chunk - 1) / chunk;
   #pragma omp parallel for num_threads(threads) schedule(static) reduction(max: M[:4]) \
       if(threads > 1 && N * K >= 16384)
-  for (long t = 0; t < tasks; t++) {
-    long n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-    screen_rows(ok, live, Q, scale, K, N, n0, n1, approx);
-    for (long b = 0; b < live; b++)
-      for (long j = n0; j < n1; j++) {
-        double lo = (double)approx[b * N + j] - (a[b] * (double)radius[j] + margin);
-        if (lo > M[b]) M[b] = lo;  /* NaN and -inf bounds never raise it */
-      }
+  for (long i = 0; i < tasks; i++) {
+    long n0 = i * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+    screen_rows(xqs, t, live, Q, scale, K, N, n0, n1, approx);
+    for (long b = 0; b < live; b++) {
+      double lo = lower_max(approx + b * N, radius, rq, a[b], d[b], margin, n0, n1);
+      if (lo > M[b]) M[b] = lo;  /* a NaN bound never raises it */
+    }
   }
+  free(xq);
   long count = 0;
   for (long b = 0; b < live; b++)
-    tokens[at[b]] = pick(ok[b], K, W, N, radius, approx + b * N, a[b], M[b], &count);
+    tokens[at[b]] = pick(ok[b], K, W, N, radius, rq, approx + b * N, a[b], d[b], M[b], &count);
   if (exact) *exact = count;
 }
 
 /* The screen's rows (screen.py's build): for each row of W [N, K] its largest |weight| m[n]
    (0 for a row that is not finite, finite[n] 0), the scale s = m / 127 in fp32, Q = round(W /
-   s) in [-127, 127] (0 where s is 0 or the row is not finite), and the largest |W - s Q| in
-   double (s Q is exact there), e[n]. Rows in parallel. */
+   s) in [-127, 127] (0 where s is 0 or the row is not finite), the largest |W - s Q| in
+   double (s Q is exact there), e[n], and sum_k |Q[n, k]|, q1[n]. Rows in parallel. */
 void tandem_head_screen_rows_f32(const float *W, long N, long K, int8_t *Q, float *scale,
-                                 double *m_out, double *e_out, uint8_t *finite, int threads) {
+                                 double *m_out, double *e_out, double *q1_out, uint8_t *finite,
+                                 int threads) {
   #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
   for (long n = 0; n < N; n++) {
     const float *w = W + n * K;
@@ -388,16 +462,17 @@ void tandem_head_screen_rows_f32(const float *W, long N, long K, int8_t *Q, floa
     }
     if (!ok) m = 0.0f;
     const float s = m / 127.0f;
-    double e = 0.0;
+    double e = 0.0, q1 = 0.0;
     for (long k = 0; k < K; k++) {
       float r = s > 0.0f && ok ? nearbyintf(w[k] / s) : 0.0f;
       r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
       q[k] = (int8_t)r;
+      q1 += fabsf(r);
       if (ok) {
         double d = fabs((double)w[k] - (double)s * (double)r);
         if (d > e) e = d;
       }
     }
-    scale[n] = s, m_out[n] = m, e_out[n] = e, finite[n] = (uint8_t)ok;
+    scale[n] = s, m_out[n] = m, e_out[n] = e, q1_out[n] = q1, finite[n] = (uint8_t)ok;
   }
 }

@@ -51,11 +51,6 @@ typedef __mmask16 mask16;
 /* lane 0 */
 static inline float v_first(vf16 a) { return _mm_cvtss_f32(_mm512_castps512_ps128(a)); }
 
-/* 16 int8 at p, each exactly as a float */
-static inline vf16 v_cvtepi8_ps(const int8_t *p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
 /* A vector's 16 lanes summed as i + i+8, i + i+4, i + i+2, i + i+1: the tree every output of
    rows.c (tree16 pairs lanes alike) and every row sum of norms.c ends with. */
 static inline float tree1(vf16 a) {
@@ -222,12 +217,6 @@ TANDEM_INLINE void v_scatter4(float *base, mask16 m, vi16 idx, vf16 a) {
 }
 
 TANDEM_INLINE float v_first(vf16 a) { return _mm256_cvtss_f32(a.lo); }
-
-/* 16 int8 at p, each exactly as a float */
-TANDEM_INLINE vf16 v_cvtepi8_ps(const int8_t *p) {
-  return V2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))),
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))));
-}
 
 /* tree1 as AVX-512's: i + i+8 (the halves), i + i+4, i + i+2, i + i+1 */
 TANDEM_INLINE float tree1(vf16 a) {

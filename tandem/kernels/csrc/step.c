@@ -56,9 +56,10 @@ struct step_model {
   long middle;               /* the widest middle row (GDN hv dv, attention nh hd, ff) */
   long conv_slot, state_slot;  /* one layer slot of a sequence's conv tails, of its states */
   /* the head's screen (screen.py; head_q NULL where the model has none): its rows as int8 and
-     their scales, each row's radius, the largest |weight| */
+     their scales, each row's radii (per unit of |x|_1, per unit of the input's int16 error),
+     the largest |weight| */
   const int8_t *head_q;
-  const float *head_scale, *head_radius;
+  const float *head_scale, *head_radius, *head_rq;
   float head_wmax;
 };
 
@@ -93,7 +94,8 @@ static void head(const struct step_model *M, const float *h, long R, float *logi
     }
     if (n == 0) continue;
     tandem_head_argmax_rows_f32(xs, n, D, M->head, V, M->head_q, M->head_scale,
-                                M->head_radius, M->head_wmax, approx, tokens, NULL, threads);
+                                M->head_radius, M->head_rq, M->head_wmax, approx, tokens, NULL,
+                                NULL, threads);
     for (long i = 0; i < n; i++) {
       if (tokens[i] < 0)
         tandem_rows_f32(xs[i], D, 1, M->head, V, D, logits + rows[i] * V, V, threads);
