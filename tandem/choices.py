@@ -28,6 +28,7 @@ import torch
 
 from tandem.engine import CHUNK, DecodeStep, Engine, GenerationResult, SamplingParams, Step, \
     VerifyStep, decode_batch, forward_step
+from tandem.models.base import HeadRow, prompt_logits
 from tandem.models.rows import release_rows
 
 
@@ -77,13 +78,14 @@ class Choices:
         self.forks: list[Engine] = []
         self.steps: list[Generator] = []
 
-    def fork(self, engine: Engine, logits: torch.Tensor, max_tokens: int) -> None:
+    def fork(self, engine: Engine, logits: "torch.Tensor | HeadRow", max_tokens: int) -> None:
         """At the prompt's end: the other choices' sequences, copies of ``engine``'s state,
         each as long as the prompt and its answer can be (as the slot's, within the window)."""
         if self.forks:
             return
         window = min(engine.window, engine.length + max_tokens)
-        logits = logits.clone()  # read by every choice; the slot's next forward may reuse it
+        # read by every choice; the slot's next forward may reuse it
+        logits = prompt_logits(logits).clone()
         for i in range(1, self.n):
             twin = fork(engine, window)
             self.forks.append(twin)

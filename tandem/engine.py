@@ -20,7 +20,7 @@ import torch
 
 from tandem.cache.vocabulary import FinishReason
 from tandem.logprobs import PromptScorer, TokenLogprob, score
-from tandem.models.base import CacheState, Chosen, Cost, Model, ModelError
+from tandem.models.base import CacheState, Chosen, Cost, HeadRow, Model, ModelError
 from tandem.models.image_keys import KEY_BASE, rope_delta
 from tandem.tokens import common_prefix
 
@@ -552,9 +552,12 @@ class Engine:
 
     def prefill_steps(self, token_ids: Sequence[int],
                       on_chunk: Callable[[int], None] | None = None,
-                      scorer: PromptScorer | None = None, images: Any = None
-                      ) -> Generator["Step", torch.Tensor | None, torch.Tensor]:
-        """Forward ``token_ids`` past the rows in place, on the grid; the last position's logits.
+                      scorer: PromptScorer | None = None, images: Any = None,
+                      row: bool = False
+                      ) -> Generator["Step", torch.Tensor | None, "torch.Tensor | HeadRow"]:
+        """Forward ``token_ids`` past the rows in place, on the grid; the last position's logits,
+        or with ``row`` (and no scorer) where the model gives one, its `HeadRow`: the logits
+        computed only when read, the greedy token through the head's screen without them.
         A generator: it yields `CHUNK` between chunks, where a scheduler may run other
         sequences' steps (tandem.actors.engine_actor) before it goes on.
 
@@ -593,8 +596,10 @@ class Engine:
             with torch.inference_mode():
                 if scorer is None:
                     # Only the last chunk's logits are read: the others skip the head.
+                    last = end == len(token_ids)
                     logits = self.model.forward(self.state, fwd[start:end], start,
-                                                logits=end == len(token_ids), **extra)
+                                                logits=("row" if row else True) if last
+                                                else False, **extra)
                 else:
                     logits = self.model.forward(
                         self.state, fwd[start:end], start,
@@ -781,7 +786,8 @@ class Engine:
         if logits is None:
             placed = images.place(prompt_ids, reuse) if images is not None else None
             prefill = self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer,
-                                         images=placed)
+                                         images=placed,
+                                         row=getattr(self.model, "chooses", False))
             if stop_prefill is not None:
                 prefill = _stoppable(prefill, stop_prefill)
             logits = yield from prefill
@@ -852,6 +858,8 @@ class Engine:
         # A decode step that wants its greedy token alone: nothing reads its logits then.
         greedy_only = (params.greedy and processors is None and grammar is None
                        and num_top is None)
+        if isinstance(logits, HeadRow):  # the prompt's last position: its logits when read
+            logits = logits.choose() if greedy_only else logits.logits()
         token = target(logits, out) if params.max_tokens > 0 else None
         entry = scored(logits, token) if token is not None else None
         k_floor = min(DRAFT_FLOOR, draft_max)

@@ -22,6 +22,7 @@ from tandem.cache.tiers.park import Park
 from tandem.cache.tiers.pin import Pin
 from tandem.cache.tiers.stash import Stash
 from tandem.cache.vocabulary import Source, Tier, tier_of
+from tandem.models.base import HeadRow
 from tandem.tokens import common_prefix
 
 
@@ -32,9 +33,9 @@ class Resume:
     start: int  # rows in place the prefill resumes at, in the served prompt's positions
     source: Source  # resident-tier sources, or store (the planner's)
     guest: bool = False
-    # prompt_end: the prompt's last position's logits (a copy the request owns); the engine
-    # samples the first token from them and forwards nothing.
-    logits: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # prompt_end: the prompt's last position's logits, or its HeadRow (a copy the request
+    # owns); the engine samples the first token from them and forwards nothing.
+    logits: torch.Tensor | HeadRow | None = field(default=None, compare=False, repr=False)
 
     @property
     def tier(self) -> Tier:

@@ -44,7 +44,7 @@ from tandem.cache.tiers.ends import Ends, PromptEnd
 from tandem.cache.tiers.park import Park
 from tandem.cache.tiers.pin import Pin
 from tandem.cache.tiers.stash import Stash, Stashed
-from tandem.models.base import CacheState
+from tandem.models.base import CacheState, HeadRow
 from tandem.tokens import common_prefix
 
 # The holdings and offers are defined in tandem/cache/holdings.py; named here too, the
@@ -470,7 +470,7 @@ class ResidentPrefix:
             return
         self.anchor_tier.take(end, self.engine.cache_state())
 
-    def on_prefill(self, logits: torch.Tensor) -> None:
+    def on_prefill(self, logits: torch.Tensor | HeadRow) -> None:
         """After a prompt's prefill, before its first decode (nothing is pending): the
         prompt-end anchor, the sections and ``logits`` (the last position's), in the buffers
         of the last one. A guest keeps none: its rows go back after it."""

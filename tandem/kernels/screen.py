@@ -35,8 +35,9 @@ finite, or large enough that a sum could overflow) gets the full head.
 
 The screen is used only where the logits themselves are not wanted: a greedy position with no
 logprobs, no logits processors and no grammar (tandem.engine: DecodeStep.greedy and
-VerifyStep.greedy). It costs the head's bytes over four in memory (tiny: 66 MB; the 0.8B-like:
-256 MB), built once at load (``engine.head_screen`` turns it off).
+VerifyStep.greedy, and the prompt's last position, whose prefill leaves a HeadRow: its logits
+computed only when read). It costs the head's bytes over four in memory (tiny: 66 MB; the
+0.8B-like: 256 MB), built once at load (``engine.head_screen`` turns it off).
 """
 
 from __future__ import annotations
@@ -121,10 +122,11 @@ def build(weight: torch.Tensor) -> HeadScreen:
 
 
 def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
-                threads: int | None = None) -> Screened:
+                threads: int | None = None, approx: torch.Tensor | None = None) -> Screened:
     """csrc/rows.c's tandem_head_argmax_rows_f32 for 1 to 4 rows xs [R, K] at once over the head
     ``weight`` and its screen, the screen read once for them all (as the native step calls it;
-    this is the same call for tests and benchmarks)."""
+    this is the same call for tests and benchmarks). ``approx``: scratch for the screened
+    logits, at least [R, N] fp32 contiguous (allocated here without it)."""
     import ctypes
 
     from tandem.kernels.native import function
@@ -134,7 +136,11 @@ def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
         raise ValueError("1 to 4 rows at once")
     xs = xs.contiguous()
     ptrs = (ctypes.c_void_p * r)(*(xs[i].data_ptr() for i in range(r)))
-    approx = torch.empty(r, n, dtype=torch.float32)
+    if approx is None:
+        approx = torch.empty(r, n, dtype=torch.float32)
+    elif approx.dtype != torch.float32 or not approx.is_contiguous() or approx.numel() < r * n:
+        raise ValueError("approx: [R, N] fp32 contiguous")
+    approx = approx.view(-1)[:r * n].view(r, n)
     tokens, exact, xerr = (ctypes.c_long * r)(), ctypes.c_long(0), (ctypes.c_double * r)()
     function("tandem_head_argmax_rows_f32")(
         ptrs, r, k, weight.data_ptr(), n, screen.q.data_ptr(), screen.scale.data_ptr(),

@@ -79,6 +79,47 @@ class Chosen:
     token: int
 
 
+class HeadRow:
+    """A prefill's last position before the head (``forward(logits="row")``): its normed hidden
+    row [1, K]. Its logits (``logits()``: ``head(row)``, the very bits the prefill's head gives
+    that row) are computed when first read; its greedy token (``choose()``) comes from the
+    model's screen of the head where it has one (``screen(row)``: a `Chosen`, or None), without
+    them. The prompt-end anchor keeps the row, K floats, rather than vocab of logits."""
+
+    __slots__ = ("row", "_head", "_screen", "_logits")
+
+    def __init__(self, row: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                 screen: Callable[[torch.Tensor], "Chosen | None"] | None = None) -> None:
+        self.row, self._head, self._screen = row, head, screen
+        self._logits: torch.Tensor | None = None
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self._head(self.row)
+        return self._logits
+
+    def choose(self) -> "Chosen | torch.Tensor":
+        """The greedy token as a `Chosen`, or the logits where the screen does not take the
+        row (or the model has none)."""
+        if self._logits is None and self._screen is not None:
+            chosen = self._screen(self.row)
+            if chosen is not None:
+                return chosen
+        return self.logits()
+
+    def with_row(self, row: torch.Tensor) -> "HeadRow":
+        """The same head over another row tensor (a copy of this one's, in a cache's buffer)."""
+        return HeadRow(row, self._head, self._screen)
+
+    def clone(self) -> "HeadRow":
+        return self.with_row(self.row.clone())
+
+
+def prompt_logits(x: "torch.Tensor | HeadRow") -> torch.Tensor:
+    """A prefill's last logits, read: as they are, or a `HeadRow`'s, computed."""
+    return x.logits() if isinstance(x, HeadRow) else x
+
+
 @dataclass
 class ModelState:
     """Buffers a model forwards into: sections and views, allocated once for ``window`` rows."""

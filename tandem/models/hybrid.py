@@ -34,7 +34,7 @@ from tandem.kernels.native import rows_fit as native_rows_fit
 from tandem.kernels import screen as head_screen
 from tandem.kernels import step as native_step
 from tandem.models import checkpoint, fields, moe, quant, rope, rows, vision
-from tandem.models.base import Chosen, Cost, ModelError, ModelState, View
+from tandem.models.base import Chosen, Cost, HeadRow, ModelError, ModelState, View
 
 SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
@@ -512,11 +512,13 @@ class HybridModel:
     def forward(self, state: ModelState, token_ids: torch.Tensor, start: int,
                 decode: bool = False,
                 on_logits: Callable[[int, torch.Tensor], None] | None = None,
-                logits: bool = True, *,
+                logits: bool | str = True, *,
                 image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                 rope_positions: torch.Tensor | None = None,
-                rope_offset: int = 0) -> torch.Tensor | None:
-        """As Model.forward; for a prompt with images (models/vision.py PromptImages.chunk)
+                rope_offset: int = 0) -> torch.Tensor | HeadRow | None:
+        """As Model.forward; ``logits="row"`` (without ``on_logits``) returns the last position
+        as a `HeadRow` (its logits computed when read, its greedy token through the head's
+        screen without them). For a prompt with images (models/vision.py PromptImages.chunk)
         ``image_rows`` replace placeholder embeddings and ``rope_positions`` ``[3, n]`` are the
         chunk's 3-D positions, and ``rope_offset`` (the images' delta) shifts the rotary
         position of rows after a prompt with images: rows at ``start + i`` turn as
@@ -543,6 +545,9 @@ class HybridModel:
                 rows = rms_norm(x[a:b], self.w["norm.weight"], eps)
                 on_logits(a, self._prefill_head(rows))
         last = rms_norm(x[-1:], self.w["norm.weight"], eps)
+        if logits == "row" and on_logits is None:
+            return HeadRow(last.contiguous().clone(), lambda row: self._prefill_head(row)[0],
+                           self._screen_row)
         return self._prefill_head(last)[0]
 
     def _prefill_head(self, rows: torch.Tensor) -> torch.Tensor:
@@ -1109,6 +1114,21 @@ class HybridModel:
         self.screen_counts["screened"] += chosen
         self.screen_counts["full"] += asked - chosen
         return rows
+
+    def _screen_row(self, row: torch.Tensor) -> Chosen | None:
+        """A prefill's last row's greedy token through the head's screen: the argmax of the
+        logits ``_prefill_head`` gives it (the native kernel's, whose bits the screen's exact
+        rows are); None where there is no screen or it does not take the row."""
+        step = self._native_step()
+        head = self.w["lm_head.weight"]
+        if step is None or step.screen is None or not native_fits(row, head):
+            return None
+        if "_screen_scratch" not in self.__dict__:  # the screened logits, kept for the next
+            self._screen_scratch = torch.empty(head.shape[0], dtype=torch.float32)
+        token = head_screen.argmax_rows(row, head, step.screen,
+                                        approx=self._screen_scratch).tokens[0]
+        self.screen_counts["screened" if token >= 0 else "full"] += 1
+        return Chosen(token) if token >= 0 else None
 
     def prepare_decode(self) -> None:
         """Build what decode's first step would (the native step's plan, the head's screen), so

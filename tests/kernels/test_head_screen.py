@@ -311,3 +311,63 @@ def test_decode_batch_sends_a_greedy_step_its_token_and_the_others_their_logits(
                         DecodeStep(engines[2], 7, True)])
     assert isinstance(out[0], Chosen) and isinstance(out[2], Chosen)
     assert isinstance(out[1], torch.Tensor) and out[1].shape == (small.vocab_size,)
+
+
+def test_a_prefills_head_row_gives_its_logits_bits_and_its_greedy_token_without_them(small):
+    """forward(logits="row"): the HeadRow's logits are torch.equal to the logits forward gives
+    (computed when read); its greedy token through the screen is their argmax, found without
+    computing them; the row's state and rows are the logits forward's."""
+    from tandem.models.base import HeadRow
+
+    _plan(small)
+    g = torch.Generator().manual_seed(31)
+    for n in (1, 7, 33):
+        ids = torch.randint(0, small.vocab_size, (n,), generator=g)
+        st, twin = small.new_state(64), small.new_state(64)
+        head = small.forward(st, ids, 0, logits="row")
+        want = small.forward(twin, ids, 0)
+        assert isinstance(head, HeadRow) and head.row.shape == (1, small.config.hidden_size)
+        before = dict(small.screen_counts)
+        chosen = head.choose()
+        assert isinstance(chosen, Chosen) and chosen.token == int(want.numpy().argmax())
+        assert small.screen_counts["screened"] == before["screened"] + 1
+        assert head._logits is None  # the full head was not read
+        assert torch.equal(head.logits(), want)
+        assert torch.equal(head.clone().logits(), want)
+        for k in st.sections:
+            assert torch.equal(st.sections[k], twin.sections[k])
+
+
+def test_greedy_generation_takes_its_first_token_from_the_screen_and_keeps_the_row(small):
+    """A greedy-only generation's first token comes through the screen (the prefill's head is
+    never read) and is the tokens without the screen; the prompt-end anchor keeps the row, K
+    floats rather than vocab; a sampled request from that anchor reads the logits, the cold
+    prefill's bits."""
+    from tandem.cache.tiers.ends import Ends
+    from tandem.cache.memory import MemoryAccountant
+    from tandem.models.base import HeadRow, prompt_logits
+
+    g = torch.Generator().manual_seed(32)
+    prompt = torch.randint(0, small.vocab_size, (37,), generator=g).tolist()
+    params = SamplingParams(max_tokens=6)
+    off = _generate(small, prompt, params, False)
+    calls = []
+    real = small._prefill_head
+    small._prefill_head = lambda rows: calls.append(rows.shape[0]) or real(rows)
+    kept = []
+    try:
+        on = _generate(small, prompt, params, True, on_prefill=kept.append)
+    finally:
+        del small._prefill_head
+    assert on.token_ids == off.token_ids and calls == []
+    assert len(kept) == 1 and isinstance(kept[0], HeadRow)
+    ends = Ends(MemoryAccountant({"prompt_end": 1 << 30, "end": 1 << 30}))
+    engine = Engine(small, window=256, prefix_chunk=16)
+    want = engine.prefill(prompt)
+    ends.keep_prompt_end(prompt, engine.cache_state(), kept[0])
+    assert ends.memory.held["prompt_end"] < ends.prompt_end.copy.nbytes + want.numel() * 4
+    assert ends.prompt_end.logits.row.numel() == small.config.hidden_size
+    assert torch.equal(prompt_logits(ends.prompt_end.logits.clone()), want)
+    ends.keep_prompt_end(prompt, engine.cache_state(), want)  # logits where a row was
+    assert torch.equal(ends.prompt_end.logits, want)
+    ends.check_invariants(prompt, False)

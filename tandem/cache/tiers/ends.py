@@ -1,5 +1,7 @@
 """The ends: the end anchor (the state at the last row forwarded, spec: "The end anchor") and
-the prompt-end anchor (the state a prompt's prefill left, with its last position's logits).
+the prompt-end anchor (the state a prompt's prefill left, with its last position's logits, or
+where the model gives one its `HeadRow`: the normed row the logits come from, K floats rather
+than vocab, its logits computed when a resume reads them, the same bits).
 
 Each keeps one buffer that is refilled turn after turn, reserved once at its level. The
 prompt-end anchor's rows are not copied: they are the rows in place [0, length), which decoding
@@ -16,14 +18,14 @@ import torch
 from tandem.cache.copies import SectionsCopy
 from tandem.cache.keep import End
 from tandem.cache.memory import MemoryAccountant
-from tandem.models.base import CacheState
+from tandem.models.base import CacheState, HeadRow
 
 
 @dataclass
 class PromptEnd:
     token_ids: list[int]
     copy: SectionsCopy
-    logits: torch.Tensor
+    logits: torch.Tensor | HeadRow
 
     @property
     def length(self) -> int:
@@ -32,6 +34,11 @@ class PromptEnd:
 
 def _logits_nbytes(logits: torch.Tensor) -> int:
     return logits.numel() * logits.element_size()
+
+
+def _tensor(logits: torch.Tensor | HeadRow) -> torch.Tensor:
+    """What the buffer holds of a prompt's last position: its logits, or its HeadRow's row."""
+    return logits.row if isinstance(logits, HeadRow) else logits
 
 
 class Ends:
@@ -90,18 +97,24 @@ class Ends:
     # -- the prompt-end anchor -------------------------------------------------------------
 
     def keep_prompt_end(self, token_ids: list[int], state: CacheState,
-                        logits: torch.Tensor) -> None:
+                        logits: torch.Tensor | HeadRow) -> None:
         self.prompt_end = None  # a copy cut short is not the state at any prompt's end
+        held = _tensor(logits)
         buffer = self.prompt_buffer
+        if buffer is not None and (buffer[1].shape != held.shape
+                                   or buffer[1].dtype != held.dtype):
+            self.release_prompt_end()  # logits where a row was, or the other way round
+            buffer = None
         if buffer is None:
-            nbytes = SectionsCopy.nbytes_of(state) + _logits_nbytes(logits)
+            nbytes = SectionsCopy.nbytes_of(state) + _logits_nbytes(held)
             if not self.memory.reserve("prompt_end", nbytes):
                 return
-            buffer = self.prompt_buffer = (SectionsCopy.take(state), logits.clone())
+            buffer = self.prompt_buffer = (SectionsCopy.take(state), held.clone())
         else:
             buffer[0].copy_from(state)
-            buffer[1].copy_(logits)
-        self.prompt_end = PromptEnd(list(token_ids), *buffer)
+            buffer[1].copy_(held)
+        kept = logits.with_row(buffer[1]) if isinstance(logits, HeadRow) else buffer[1]
+        self.prompt_end = PromptEnd(list(token_ids), buffer[0], kept)
         self.prompt_kept += 1
 
     def release_prompt_end(self) -> None:
