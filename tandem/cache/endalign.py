@@ -129,15 +129,79 @@ class Region:
 
 
 @dataclass
+class _Side:
+    """Rows as non-whitespace bytes: ``nonws`` each row's, ``offsets[i]`` where row i's start
+    (``offsets[len(nonws)] == len(data)``), ``data`` the concatenation."""
+
+    nonws: list[bytes] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=lambda: [0])
+    data: bytes = b""
+
+    def extend(self, tail: list[bytes]) -> None:
+        base = self.offsets[-1]
+        self.nonws.extend(tail)
+        self.offsets.extend(base + x for x in accumulate(map(len, tail)))
+        self.data = self.data + b"".join(tail)
+
+    def copy(self) -> "_Side":
+        return _Side(list(self.nonws), list(self.offsets), self.data)
+
+
+def _decoder(state: tuple[bytes, int], errors: str = "strict") -> codecs.IncrementalDecoder:
+    d = codecs.getincrementaldecoder("utf-8")(errors=errors)
+    d.setstate(state)
+    return d
+
+
+@dataclass
 class _Streams:
-    """A record's rows as non-whitespace bytes: ``data`` the concatenation, ``offsets[i]`` where
-    row i's bytes start (``offsets[len(rows)] == len(data)``), ``nonws`` each row's bytes."""
+    """A record's rows as non-whitespace bytes, the view ``align`` reads (``nonws``,
+    ``offsets``, ``data``: the rows' own bytes, or where those are not UTF-8, as a client
+    received them), built row by row as the record grows: ``raw`` the rows'
+    own, ``shown`` each row's share of an incremental UTF-8 decoder's output (U+FFFD for what
+    it could not decode, without the final flush), ``strict`` the strict decoder's state after
+    the rows (None once their bytes are not UTF-8), ``lenient`` the replacing one's."""
 
     tb: TokenBytes
     cache: dict[int, bytes]
-    nonws: list[bytes]
-    offsets: list[int]
-    data: bytes
+    raw: _Side = field(default_factory=_Side)
+    shown: _Side = field(default_factory=_Side)
+    strict: tuple[bytes, int] | None = (b"", 0)
+    lenient: tuple[bytes, int] = (b"", 0)
+    nonws: list[bytes] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=lambda: [0])
+    data: bytes = b""
+
+    def copy(self) -> "_Streams":
+        return _Streams(self.tb, self.cache, self.raw.copy(), self.shown.copy(), self.strict,
+                        self.lenient, self.nonws, self.offsets, self.data)
+
+    def grow(self, ids: Sequence[int]) -> None:
+        """Rows ``ids`` after those in: the work is theirs alone, not the whole record's."""
+        raw = [self.tb(t) or b"" for t in ids]
+        self.raw.extend(_nonws_list(ids, self.cache, self.tb))
+        if self.strict is not None:
+            strict = _decoder(self.strict)
+            try:
+                strict.decode(b"".join(raw))
+                self.strict = strict.getstate()
+            except UnicodeDecodeError:
+                self.strict = None
+        lenient = _decoder(self.lenient, "replace")
+        self.shown.extend([lenient.decode(b).encode("utf-8").translate(None, WHITESPACE)
+                           for b in raw])
+        self.lenient = lenient.getstate()
+        if self.strict is not None and not self.strict[0]:  # UTF-8, every character whole
+            self.nonws, self.offsets, self.data = self.raw.nonws, self.raw.offsets, self.raw.data
+            return
+        flush = lenient.decode(b"", final=True).encode("utf-8").translate(None, WHITESPACE)
+        shown = self.shown
+        if not flush or not shown.nonws:
+            self.nonws, self.offsets, self.data = shown.nonws, shown.offsets, shown.data
+            return
+        self.nonws = shown.nonws[:-1] + [shown.nonws[-1] + flush]
+        self.offsets = shown.offsets[:-1] + [shown.offsets[-1] + len(flush)]
+        self.data = shown.data + flush
 
 
 @dataclass
@@ -179,8 +243,7 @@ class EndRecord:
         rec = EndRecord(self.rows + list(new_rows_tail), self.hidden + list(new_hidden),
                         self.regions + ([new_region] if new_region is not None else []))
         if self._streams is not None:
-            s = self._streams
-            rec._streams = _Streams(s.tb, s.cache, list(s.nonws), list(s.offsets), s.data)
+            rec._streams = self._streams.copy()
         return rec
 
     @classmethod
@@ -220,18 +283,9 @@ class EndRecord:
     def streams(self, token_bytes: TokenBytes) -> _Streams:
         s = self._streams
         if s is None or s.tb != token_bytes:
-            s = _Streams(token_bytes, {}, [], [0], b"")
-        if len(s.nonws) < len(self.rows):
-            tail = _nonws_list(self.rows[len(s.nonws):], s.cache, token_bytes)
-            base = s.offsets[-1]
-            s.nonws.extend(tail)
-            s.offsets.extend(base + x for x in accumulate(map(len, tail)))
-            s.data = s.data + b"".join(tail)
-            rendered = _as_rendered(self.rows, token_bytes)
-            if rendered is not None:
-                s.nonws = rendered
-                s.offsets = [0, *accumulate(map(len, rendered))]
-                s.data = b"".join(rendered)
+            s = _Streams(token_bytes, {})
+        if len(s.raw.nonws) < len(self.rows):
+            s.grow(self.rows[len(s.raw.nonws):])
         self._streams = s
         return s
 
@@ -317,25 +371,6 @@ def _nonws_list(ids: Sequence[int], cache: dict[int, bytes], token_bytes: TokenB
                     b = cache[t] = (token_bytes(t) or b"").translate(None, WHITESPACE)
                 out[i] = b
     return out
-
-
-def _as_rendered(ids: Sequence[int], token_bytes: TokenBytes) -> list[bytes] | None:
-    """The rows' non-whitespace bytes as a client received them, when their bytes are not all
-    UTF-8 (None when they are): the detokenizer (tandem.models.tokenizer) puts U+FFFD where a
-    token ended a character it never finished (a random model's byte-fallback tokens, a real
-    one's rarely), so the client's copy carries U+FFFD where the rows hold the raw bytes. Each
-    token's share is what an incremental decoder emits after it, as the stream sent it."""
-    raw = [token_bytes(t) or b"" for t in ids]
-    try:
-        b"".join(raw).decode("utf-8")
-        return None
-    except UnicodeDecodeError:
-        pass
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = [decoder.decode(b).encode("utf-8") for b in raw]
-    if out:
-        out[-1] += decoder.decode(b"", final=True).encode("utf-8")
-    return [b.translate(None, WHITESPACE) for b in out]
 
 
 def _opens_reasoning(served: Sequence[int], think_close_id: int) -> bool:

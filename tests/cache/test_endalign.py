@@ -4,11 +4,14 @@ end anchor, and a copy that changed what the engine saw does not."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import time
+from itertools import accumulate
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from tandem.cache.endalign import (
     THINK_CLOSE_ID, EndRecord, Region, align, common_prefix, token_splitter)
@@ -572,3 +575,47 @@ def test_a_copy_whose_answer_carries_u_fffd_for_a_broken_character_aligns(tok):
                                                                                   "Lyon")},
                             FOLLOW])
     assert align(record, changed, tok.token_bytes) is None
+
+
+def _whole_record_streams(ids, token_bytes):
+    """The byte view of rows ``ids`` computed from scratch, the oracle of the incremental one:
+    each row's non-whitespace bytes when the rows' bytes are UTF-8; otherwise each row's share
+    of what an incremental decoder (U+FFFD for a character never finished) emits after it, the
+    final flush on the last, as the stream sent it to the client."""
+    raw = [token_bytes(t) or b"" for t in ids]
+    try:
+        b"".join(raw).decode("utf-8")
+        shown = raw
+    except UnicodeDecodeError:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        shown = [decoder.decode(b).encode("utf-8") for b in raw]
+        if shown:
+            shown[-1] += decoder.decode(b"", final=True).encode("utf-8")
+    nonws = [b.translate(None, b" \t\n\r") for b in shown]
+    return nonws, [0, *accumulate(map(len, nonws))], b"".join(nonws)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_records_byte_view_grown_turn_by_turn_is_the_whole_records(tok, data):
+    """EndRecord.streams grows with the record (only the new rows' bytes and the decoders'
+    states are worked on, where it once decoded the whole conversation again every turn): after
+    any run of extensions, over tokens that open characters they never finish, whitespace and
+    plain text, its view is the one computed from the whole record at once."""
+    broken = _a_token_that_ends_mid_character(tok)
+    pool = sorted({broken, *tok.encode("Paris  und\tdie Seine. ä€😀 \n", allow_special=False),
+                   *range(0, 300)})
+    ids = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=80))
+    cuts = sorted(data.draw(st.lists(st.integers(1, len(ids)), max_size=5)))
+    record = EndRecord(ids[:cuts[0]] if cuts else ids)
+    record.streams(tok.token_bytes)  # computed once, then carried through every extension
+    at = len(record.rows)
+    for cut in cuts[1:] + [len(ids)]:
+        if cut > at:
+            record = record.extend(ids[at:cut])
+            at = cut
+            s = record.streams(tok.token_bytes)
+            assert (s.nonws, s.offsets, s.data) == _whole_record_streams(record.rows,
+                                                                          tok.token_bytes)
+    s = record.streams(tok.token_bytes)
+    assert (s.nonws, s.offsets, s.data) == _whole_record_streams(ids, tok.token_bytes)
