@@ -208,7 +208,9 @@ static void rows_block(const float *X, long ldx, long B, const float *W, long K,
 /* X [B, K] (rows ldx apart), W [N, K] contiguous, Y [B, N] (rows ldy apart). A matrix under
    64 KiB runs on the calling thread (a region's fork and join cost more than its rows); a
    larger one in four tasks a thread, of whole groups of 16 rows, over torch's OpenMP team (this
-   library links the libgomp that torch loaded: one team in the process). */
+   library links the libgomp that torch loaded: one team in the process), taken as threads come
+   free: where the event loop takes a core from one thread, the other takes its tasks rather
+   than wait at the join. */
 void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, long K, float *Y,
                      long ldy, int threads) {
   if (threads <= 1 || N < 32 || N * K < 16384) {
@@ -218,7 +220,7 @@ void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, l
   long chunk = (N + 4 * threads - 1) / (4 * threads);
   chunk = (chunk + 15) / 16 * 16;
   long tasks = (N + chunk - 1) / chunk;
-  #pragma omp parallel for num_threads(threads) schedule(static)
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (long t = 0; t < tasks; t++) {
     long n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
     rows_block(X, ldx, B, W, K, Y, ldy, n0, n1);
@@ -422,10 +424,10 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
     if (xerr) xerr[at[b]] = d[b];
   }
   const double margin = (double)(2 * K + 16) * 0x1p-149;
-  long chunk = (N + 4 * threads - 1) / (4 * threads);
+  long chunk = (N + 16 * threads - 1) / (16 * threads);
   chunk = (chunk + 3) / 4 * 4;
   long tasks = (N + chunk - 1) / chunk;
-  #pragma omp parallel for num_threads(threads) schedule(static) reduction(max: M[:4]) \
+  #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(max: M[:4]) \
       if(threads > 1 && N * K >= 16384)
   for (long i = 0; i < tasks; i++) {
     long n0 = i * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
