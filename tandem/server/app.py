@@ -222,11 +222,13 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
     counts = getattr(loaded.model, "screen_counts", None)
     if counts is not None:  # greedy decode through the head's screen (tandem/kernels/screen.py)
         metrics.gauge("tandem_head_screen_tokens",
-                      "Greedy decode tokens found through the head's int8 screen since the start.",
+                      "Greedy tokens (decode steps' and prompts' first) found through the "
+                      "head's int8 screen since the start.",
                       lambda: counts["screened"])
         metrics.gauge("tandem_head_screen_full_rows",
-                      "Greedy-only decode rows that read the full head instead (more than 4 in "
-                      "a step, no screen, or an input the screen does not take).",
+                      "Greedy-only rows (decode steps, prompts' last positions) that read the "
+                      "full head instead (more than 4 in a step, no screen, or an input the "
+                      "screen does not take).",
                       lambda: counts["full"])
     metrics.gauge("tandem_slots_busy", "Engine slots a request is running in.",
                   lambda: sum(1 for s in engine.snapshot().get("slots") or () if s["busy"]))
