@@ -278,9 +278,9 @@ class HybridModel:
         # The captured decode and verify steps (tandem.models.graphs.StepGraphs) on a CUDA
         # device with cuda_graphs on; None: every step runs eagerly (always on a CPU).
         self.graphs = None
-        # greedy-only rows (forward_batch's and forward_ragged's ``choose``): their token
-        # through the head's screen, or the full head's logits (over ROWS_MAX, no screen, or an
-        # input it does not take); /metrics reads them
+        # greedy-only rows (forward_batch's and forward_ragged's ``choose``, a prefill's
+        # HeadRow): their token through the head's screen, or the full head's logits (over
+        # STEP_ROWS_MAX, no screen, or an input it does not take); /metrics reads them
         self.screen_counts = {"screened": 0, "full": 0}
 
     # -- loading ---------------------------------------------------------------------------
@@ -954,7 +954,7 @@ class HybridModel:
         any place of any batch. Batches of decodes only go to forward_batch: the same bits.
 
         ``choose[b]``: every row of sequence b wants its greedy token alone; where the native
-        step screens them (at most head_screen.ROWS_MAX rows in the step), that sequence's
+        step screens them (at most head_screen.STEP_ROWS_MAX rows in the step), that sequence's
         entry is a list of `Chosen`, one a row, in place of its logits."""
         verify = verify or [len(b) > 1 for b in blocks]
         if any(not b or (len(b) > 1 and not v) for b, v in zip(blocks, verify)):
@@ -1101,11 +1101,11 @@ class HybridModel:
     def _screened(self, step: "native_step.NativeStep", wanted: list[bool] | None,
                   run: Callable[[list[bool] | None], object]) -> torch.Tensor | list:
         """The native step's rows, ``run(None)``'s logits, or where rows want their greedy token
-        alone (``wanted``, one a row) and the step screens at most head_screen.ROWS_MAX of them
-        (past that the full head, read once for every row, is cheaper), a list: a `Chosen`
+        alone (``wanted``, one a row) and the step screens at most head_screen.STEP_ROWS_MAX of
+        them (past that the full head, read once for every row, is cheaper), a list: a `Chosen`
         where the screen answered, the logits row elsewhere. Counted in screen_counts."""
         asked = 0 if wanted is None else sum(wanted)
-        if not asked or asked > head_screen.ROWS_MAX or step.screen is None:
+        if not asked or asked > head_screen.STEP_ROWS_MAX or step.screen is None:
             self.screen_counts["full"] += asked
             return run(None)
         logits, tokens = run(wanted)

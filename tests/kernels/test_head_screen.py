@@ -210,19 +210,28 @@ def _twin(st):
                     {k: type(v)(v.tensor.clone(), v.token_axis) for k, v in st.views.items()})
 
 
-def test_four_rows_are_chosen_together_and_a_fifth_gets_every_rows_logits(small):
+def test_up_to_twelve_rows_are_chosen_four_a_read_and_a_thirteenth_gets_every_rows_logits(small):
+    """A step screens its greedy rows four to a read of the screen, up to STEP_ROWS_MAX (three
+    reads stay under the fp32 head's one): each row's token is the argmax of the logits the
+    same step gives without the screen; one row more and every row gets its logits."""
     _plan(small)
-    lengths = [5, 9, 14, 20, 27]
-    states, tokens = _states(small, lengths, 21)
-    twins = [_twin(st) for st in states]
-    full = small.forward_batch(twins[:4], tokens[:4], lengths[:4])
-    out = small.forward_batch(states[:4], tokens[:4], lengths[:4], choose=[True] * 4)
-    assert [c.token for c in out] == [int(row.numpy().argmax()) for row in full]
+    assert screen.STEP_ROWS_MAX == 12 and screen.ROWS_MAX == 4
+    for b, seed in ((4, 21), (5, 23), (12, 24)):
+        lengths = [5 + 2 * i for i in range(b)]
+        states, tokens = _states(small, lengths, seed)
+        twins = [_twin(st) for st in states]
+        full = small.forward_batch(twins, tokens, lengths)
+        out = small.forward_batch(states, tokens, lengths, choose=[True] * b)
+        assert [c.token for c in out] == [int(row.numpy().argmax()) for row in full]
+        for a, t in zip(states, twins):
+            for k in a.sections:
+                assert torch.equal(a.sections[k], t.sections[k])
+    lengths = [5 + 2 * i for i in range(13)]
     states, tokens = _states(small, lengths, 22)
     twins = [_twin(st) for st in states]
     full = small.forward_batch(twins, tokens, lengths)
-    out = small.forward_batch(states, tokens, lengths, choose=[True] * 5)
-    assert all(torch.equal(a, b) for a, b in zip(out, full))  # over ROWS_MAX: the logits
+    out = small.forward_batch(states, tokens, lengths, choose=[True] * 13)
+    assert all(torch.equal(a, b) for a, b in zip(out, full))  # over STEP_ROWS_MAX: the logits
 
 
 def _generate(model, prompt, params, screened: bool, **kw):
@@ -278,9 +287,10 @@ def test_a_position_that_wants_logits_is_sent_them(small):
         assert on.logprobs == off.logprobs
 
 
-def test_a_greedy_verify_block_of_up_to_four_rows_is_sent_its_tokens(small):
+def test_a_greedy_verify_block_of_up_to_twelve_rows_is_sent_its_tokens(small):
     """A verify block asking for its tokens alone gets each row's argmax of the logits the
-    same block gets on a copy of the sequence; a block of five gets the logits."""
+    same block gets on a copy of the sequence (four rows a read of the screen); a block of
+    thirteen gets the logits."""
     from tandem.choices import fork
 
     _plan(small)
@@ -288,11 +298,11 @@ def test_a_greedy_verify_block_of_up_to_four_rows_is_sent_its_tokens(small):
     e = Engine(small, window=128, prefix_chunk=16)
     run_steps(e.generate_steps(torch.randint(0, small.vocab_size, (10,), generator=g).tolist(),
                                SamplingParams(max_tokens=1)))
-    for block in ([3, 4, 5], [6, 7, 8, 9, 10]):
+    for block in ([3, 4, 5], [6, 7, 8, 9, 10], list(range(11, 24))):
         twin = fork(e, 128)
         full = twin.verify(block)
         out = fork(e, 128).verify(block, greedy=True)
-        if len(block) <= screen.ROWS_MAX:
+        if len(block) <= screen.STEP_ROWS_MAX:
             assert [c.token for c in out] == [int(r.numpy().argmax()) for r in full]
         else:
             assert torch.equal(out, full)
