@@ -232,9 +232,11 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.expanduser("~/.cache/tandem-bench/decode-0.8b-like"),
                     help="where the 0.8B-like checkpoint is written once")
     args = ap.parse_args()
+    # tiny's weights (265 MB) go to a scratch folder removed when the run ends, unless --home
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")
     for which in args.models.split(","):
         if which == "tiny":
-            home = Path(args.home or tempfile.mkdtemp(prefix="tandem-bench-"))
+            home = Path(args.home or scratch.name)
             _bench("tiny", load_model("tiny", home / "models").model, 1024, args.tokens,
                    args.rounds)
         else:

@@ -108,7 +108,8 @@ def main() -> None:
     device = resolve_device(args.device)
     oracle_max = args.oracle_max if args.oracle_max is not None else (
         max(lengths) if device.type == "cuda" else 8192)
-    home = args.home or tempfile.mkdtemp(prefix="tandem-bench-")
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    home = args.home or scratch.name
     config = load_config(cli_args={"home": home})
     loaded = load_model(args.model, config.models_dir(), args.dtype, device, args.cuda_graphs)
     model = loaded.model

@@ -128,7 +128,8 @@ def main() -> None:
     args = ap.parse_args()
     if not decode.set_native(True):
         raise SystemExit("the native kernel does not build on this machine")
-    home = Path(args.home or tempfile.mkdtemp(prefix="tandem-bench-"))
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    home = Path(args.home or scratch.name)
     model = load_model("tiny", home / "models").model
     print(f"tiny, threads={torch.get_num_threads()}")
     with torch.inference_mode():

@@ -173,8 +173,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    home = tempfile.mkdtemp(prefix="tandem-bench-")
-    tiny = load_model("tiny", load_config(cli_args={"home": home}).models_dir()).model
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    tiny = load_model("tiny", load_config(cli_args={"home": scratch.name}).models_dir()).model
     print(f"tandem={Path(kernels.__file__).parents[2]} threads={torch.get_num_threads()} "
           f"prefix_chunk={args.prefix_chunk}, best of {args.rounds} rounds on tiny, "
           f"{args.big_rounds} on 0.8B-like; tokens/s")

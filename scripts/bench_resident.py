@@ -75,7 +75,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--home", default=None)
     args = ap.parse_args()
-    config = load_config(cli_args={"home": args.home or tempfile.mkdtemp(prefix="tandem-bench-")})
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    config = load_config(cli_args={"home": args.home or scratch.name})
     loaded = load_model("tiny", config.models_dir())
     chunk = config.engine.prefix_chunk
     lengths = [int(x) for x in args.lengths.split(",")]

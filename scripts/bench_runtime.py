@@ -295,7 +295,8 @@ async def serve_real() -> None:
     from tandem.models import load_model
     from tandem.server.app import build_app
 
-    config = load_config(cli_args={"home": tempfile.mkdtemp(prefix="tandem-bench-")})
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    config = load_config(cli_args={"home": scratch.name})
     loaded = load_model("tiny", config.models_dir(), config.engine.dtype)
     runner = web.AppRunner(build_app(config, loaded), access_log=None)
     await runner.setup()  # starts the actors

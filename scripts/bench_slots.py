@@ -162,7 +162,8 @@ async def figure_c(server: Server) -> dict:
 
 
 async def main_async(args) -> None:
-    model_dir = ensure_tiny(Path(tempfile.mkdtemp()) / "models")
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    model_dir = ensure_tiny(Path(scratch.name) / "models")
     figures = set(args.figures.split(","))
     rows = []
     for parallel in (args.parallel, 1):

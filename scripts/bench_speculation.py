@@ -173,7 +173,8 @@ def main() -> None:
     sizes = [int(float(s)) for s in args.store_sizes.split(",")]
 
     if not args.store_only:
-        home = args.home or tempfile.mkdtemp(prefix="tandem-bench-")
+        scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed at the end
+        home = args.home or scratch.name
         rows = bench_decode(args.prompt_tokens, args.max_tokens,
                             [int(k) for k in args.draft_max.split(",")], home)
         print(f"decode on tiny, greedy, {args.prompt_tokens}-token prompt, {args.max_tokens} "

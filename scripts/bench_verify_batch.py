@@ -77,7 +77,8 @@ async def one_mode(loaded, mode: str, tokens: int, home: str) -> dict:
 
 
 async def main_async(args) -> None:
-    loaded = load_model("tiny", Path(tempfile.mkdtemp()) / "models")
+    scratch = tempfile.TemporaryDirectory(prefix="tandem-bench-")  # removed when the run ends
+    loaded = load_model("tiny", Path(scratch.name) / "models")
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for mode in ("batched", "alone", "off"):
