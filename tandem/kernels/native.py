@@ -141,9 +141,12 @@ SIGNATURES.update({
 SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _I]
 # csrc/rows.c: greedy's token from the head's screen (screen.py); -1 where it gets the full head
 SIGNATURES["tandem_head_argmax_rows_f32"] = [_P, _L, _L, _P, _L, _P, _P, _P, _P, _F, _P, _P, _P,
-                                              _P, _I]
+                                              _P, _I, _P]
+# csrc/rows.c: an embedding lookup by pread (screen.RowsFile.gather); 0, or -1 (an id out of
+# range, a short read)
+SIGNATURES["tandem_gather_rows_fd"] = [_I, _L, _L, _L, _P, _L, _P, _I]
 SIGNATURES["tandem_head_screen_rows_f32"] = [_P, _L, _L, _P, _P, _P, _P, _P, _P, _I]
-RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I}  # the rest return void
+RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I, "tandem_gather_rows_fd": _L}  # the rest return void
 
 
 def _load() -> ctypes.CDLL | None:

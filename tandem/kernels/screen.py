@@ -42,7 +42,10 @@ computed only when read). It costs the head's bytes over four in memory (tiny: 6
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -79,6 +82,7 @@ class HeadScreen:
     radius: torch.Tensor  # [N] fp32, per unit of |x|_1; inf for a row that is not finite
     rq: torch.Tensor      # [N] fp32, per unit of the input's int16 error d
     wmax: float           # the largest |weight| of the finite rows
+    file: "RowsFile | None" = None  # where the exact pass reads the head's rows (None: mapping)
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +97,78 @@ class Screened(NamedTuple):
     xerr: list[float]     # each input's int16 error d (0 where not taken)
 
 
+class _FileC(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_long), ("offset", ctypes.c_long)]  # csrc/kernels.h head_file
+
+
+class RowsFile:
+    """A weight matrix [N, K] (fp32, the file's mapping) as rows its file holds: its open file
+    and the offset of its bytes, for reads that map none of its pages (pread copies from the
+    page cache; a load through the mapping maps the touched page's whole folio, which the
+    kernel makes up to megabytes, so a few rows a token map the whole head within a hundred
+    tokens). The screen's build, its exact pass and the embedding lookup read through it; the
+    bytes are the mapping's, so every result has the same bits.
+
+    ``open`` checks the extent's length and the first and last rows against the mapping (a
+    page each) and gives None where they differ or the file cannot be read: then the mapping
+    is read as before."""
+
+    def __init__(self, fd: int, offset: int, rows: int, row_bytes: int):
+        self.fd, self.offset, self.rows, self.row_bytes = fd, offset, rows, row_bytes
+        self.c = _FileC(fd, offset)
+        self._close = weakref.finalize(self, os.close, fd)
+
+    @classmethod
+    def open(cls, extent, weight: torch.Tensor) -> "RowsFile | None":
+        if extent is None or weight.dtype != torch.float32 or weight.dim() != 2 \
+                or not weight.is_contiguous() or weight.device.type != "cpu" \
+                or extent.nbytes != weight.numel() * 4 or weight.shape[0] == 0:
+            return None
+        try:
+            fd = os.open(extent.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        n, k = weight.shape
+        f = cls(fd, extent.offset, n, 4 * k)
+        for j in (0, n - 1):
+            row = torch.empty(k, dtype=torch.float32)
+            if not f.read_into(row.numpy(), j) or not torch.equal(row, weight[j]):
+                f.close()
+                return None
+        return f
+
+    def read_into(self, out: np.ndarray, first: int) -> bool:
+        """Rows first.. (as many as ``out`` holds, contiguous) from the file: False where the
+        read falls short."""
+        view, got = memoryview(out).cast("B"), 0
+        at = self.offset + first * self.row_bytes
+        try:
+            while got < len(view):
+                r = os.preadv(self.fd, [view[got:]], at + got)
+                if r <= 0:
+                    return False
+                got += r
+        except OSError:
+            return False
+        return True
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """Rows ``ids`` (int64) [n, K] by pread (csrc/rows.c's tandem_gather_rows_fd); None
+        where an id is not a row or a read fell short."""
+        from tandem.kernels.native import function
+
+        ids = ids.to(torch.long).contiguous()
+        out = torch.empty(ids.numel(), self.row_bytes // 4, dtype=torch.float32)
+        if function("tandem_gather_rows_fd")(self.fd, self.offset, self.row_bytes, self.rows,
+                                              ids.data_ptr(), ids.numel(), out.data_ptr(),
+                                              torch.get_num_threads()) != 0:
+            return None
+        return out
+
+    def close(self) -> None:
+        self._close()
+
+
 def _up(v: np.ndarray) -> torch.Tensor:
     """float64 values as fp32, rounded up: never under them."""
     r32 = v.astype(np.float32)
@@ -100,10 +176,20 @@ def _up(v: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(r32.astype(np.float32))
 
 
-def build(weight: torch.Tensor) -> HeadScreen:
+# Rows of the head one read of its file takes while the screen is built from the file.
+BUILD_CHUNK_BYTES = 8 << 20
+
+
+def build(weight: torch.Tensor, file: RowsFile | None = None) -> HeadScreen:
     """The screen of a head [N, K] (fp32, contiguous, on the CPU): its rows quantised by the
     native kernel (csrc/rows.c's tandem_head_screen_rows_f32, each row's error in double), the
-    radii from them here."""
+    radii from them here.
+
+    ``file`` (RowsFile.open's, where the head is its file's mapping): the rows are read from
+    the file a chunk at a time into one buffer rather than through the mapping, and the exact
+    pass reads its few rows from it too, so greedy decode maps none of the head's pages: the
+    process keeps a quarter of the head's bytes resident rather than five quarters (tiny:
+    254 MB it does not hold; the 0.8B-like: 1 GB). A read that falls short reads the mapping."""
     from tandem.kernels.native import function
 
     if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous():
@@ -113,9 +199,24 @@ def build(weight: torch.Tensor) -> HeadScreen:
     scale = torch.empty(n, dtype=torch.float32)
     m, e, q1 = (np.empty(n, dtype=np.float64) for _ in range(3))
     finite = np.empty(n, dtype=np.uint8)
-    function("tandem_head_screen_rows_f32")(
-        weight.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), m.ctypes.data, e.ctypes.data,
-        q1.ctypes.data, finite.ctypes.data, torch.get_num_threads())
+    rows_f32 = function("tandem_head_screen_rows_f32")
+    threads = torch.get_num_threads()
+
+    def quantise(ptr: int, lo: int, hi: int) -> None:
+        rows_f32(ptr, hi - lo, k, q.data_ptr() + lo * k, scale.data_ptr() + 4 * lo,
+                 m.ctypes.data + 8 * lo, e.ctypes.data + 8 * lo, q1.ctypes.data + 8 * lo,
+                 finite.ctypes.data + lo, threads)
+
+    if file is not None and (file.rows, file.row_bytes) != (n, 4 * k):
+        raise ValueError("the rows' file is not this head's")
+    chunk = max(1, BUILD_CHUNK_BYTES // (4 * k))
+    buf = np.empty(min(chunk, n) * k, dtype=np.float32) if file is not None else None
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        if buf is not None and file.read_into(buf[:(hi - lo) * k], lo):
+            quantise(buf.ctypes.data, lo, hi)
+        else:
+            quantise(weight.data_ptr() + lo * k * 4, lo, hi)
     g, u = (2 * k + 16) * 2.0 ** -24, 4 * 2.0 ** -24 * 127
     s = scale.numpy().astype(np.float64)
     radius = (e + g * m + u * s) * (1 + 2.0 ** -10)
@@ -123,7 +224,7 @@ def build(weight: torch.Tensor) -> HeadScreen:
     rq = s * (q1 + u * k) * (1 + 2.0 ** -10)
     wmax = float(m[finite != 0].max()) if finite.any() else 0.0
     return HeadScreen(q, scale, _up(radius), _up(rq),
-                      float(np.nextafter(np.float32(wmax), np.float32(np.inf))))
+                      float(np.nextafter(np.float32(wmax), np.float32(np.inf))), file)
 
 
 def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
@@ -132,8 +233,6 @@ def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
     ``weight`` and its screen, the screen read once for them all (as the native step calls it;
     this is the same call for tests and benchmarks). ``approx``: scratch for the screened
     logits, at least [R, N] fp32 contiguous (allocated here without it)."""
-    import ctypes
-
     from tandem.kernels.native import function
 
     r, (n, k) = xs.shape[0], weight.shape
@@ -150,7 +249,8 @@ def argmax_rows(xs: torch.Tensor, weight: torch.Tensor, screen: HeadScreen,
     function("tandem_head_argmax_rows_f32")(
         ptrs, r, k, weight.data_ptr(), n, screen.q.data_ptr(), screen.scale.data_ptr(),
         screen.radius.data_ptr(), screen.rq.data_ptr(), screen.wmax, approx.data_ptr(), tokens,
-        ctypes.byref(exact), xerr, threads if threads is not None else torch.get_num_threads())
+        ctypes.byref(exact), xerr, threads if threads is not None else torch.get_num_threads(),
+        ctypes.byref(screen.file.c) if screen.file is not None else None)
     return Screened(list(tokens), approx, int(exact.value), list(xerr))
 
 

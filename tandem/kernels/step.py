@@ -24,6 +24,7 @@ import math
 import torch
 
 from tandem.kernels import decode as decode_ops
+from tandem.kernels import screen as screen_kernel
 from tandem.kernels.native import fits as native_fits
 from tandem.kernels.native import function as native_function
 
@@ -70,7 +71,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("layers", _L), ("D", _L), ("vocab", _L), ("layer", ctypes.POINTER(_Layer)),
                 ("final_norm", _P), ("head", _P), ("eps", _F), ("width", _L), ("middle", _L),
                 ("conv_slot", _L), ("state_slot", _L), ("head_q", _P), ("head_scale", _P),
-                ("head_radius", _P), ("head_rq", _P), ("head_wmax", _F)]  # step.c's struct step_model
+                ("head_radius", _P), ("head_rq", _P), ("head_wmax", _F),
+                ("head_file", screen_kernel._FileC)]  # step.c's struct step_model
 
 
 def _fp32_runs(*tensors: torch.Tensor | None) -> bool:
@@ -98,6 +100,7 @@ class NativeStep:
                              ctypes.cast(self._layers, ctypes.POINTER(_Layer)),
                              model._gain["norm.weight"].data_ptr(), head.data_ptr(),
                              model._eps_value, width, middle, conv_slot, state_slot)
+        self._model.head_file = screen_kernel._FileC(-1, 0)  # no screen yet: no file
         self._ref = ctypes.byref(self._model)
         self._kv = (len(model.attn_layers), c.num_key_value_heads, c.head_dim)
         self.screen = None  # set_screen's
@@ -110,10 +113,12 @@ class NativeStep:
         if screen is None:
             m.head_q = m.head_scale = m.head_radius = m.head_rq = None
             m.head_wmax = 0.0
+            m.head_file = screen_kernel._FileC(-1, 0)
         else:
             m.head_q, m.head_scale = screen.q.data_ptr(), screen.scale.data_ptr()
             m.head_radius, m.head_rq = screen.radius.data_ptr(), screen.rq.data_ptr()
             m.head_wmax = screen.wmax
+            m.head_file = screen.file.c if screen.file is not None else screen_kernel._FileC(-1, 0)
 
     @classmethod
     def build(cls, model) -> "NativeStep | None":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +51,29 @@ class ReadReport:
     skipped: int  # in the files but not the model's (``mtp.*``, ``model.visual.*``, ...)
     dequantized: int  # of ``tensors``, FP8 blocks turned into the compute dtype
     native: int = 0  # of ``tensors``, FP8 blocks kept FP8 (models/fp8.py Fp8Weight)
+    # of ``tensors``, those kept as the file's mapping itself: where their bytes lie in the file
+    views: dict[str, "Extent"] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where a tensor's bytes lie in its safetensors file (from the file's header)."""
+
+    path: Path
+    offset: int  # from the file's start
+    nbytes: int
+
+
+def tensor_extents(path: Path) -> dict[str, Extent]:
+    """Each tensor's extent in one safetensors file: an 8-byte little-endian header length,
+    the JSON header (``data_offsets`` relative to the bytes after it), then the data."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    return {name: Extent(Path(path), base + int(v["data_offsets"][0]),
+                         int(v["data_offsets"][1]) - int(v["data_offsets"][0]))
+            for name, v in header.items() if name != "__metadata__"}
 
 
 def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: torch.dtype,
@@ -76,8 +99,10 @@ def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: to
             for name in f.keys():
                 where[name] = path
     out: dict[str, torch.Tensor] = {}
+    views: dict[str, Extent] = {}
     skipped = dequantized = native = 0
     for path in files:
+        extents = None
         with _open(path) as f:
             for name in f.keys():
                 if quant.is_scale(name):
@@ -108,10 +133,15 @@ def read_weights(model_dir: Path, rename: Callable[[str], str | None], dtype: to
                     raise ModelError(f"tensor {name!r} is {t.dtype} but has a "
                                      f"{quant.scale_name(name)!r} beside it; a scaled weight "
                                      f"must be stored as FP8")
+                elif t.dtype == dtype and t.device.type == "cpu":
+                    if extents is None:
+                        extents = tensor_extents(path)
+                    if name in extents and extents[name].nbytes == t.numel() * t.element_size():
+                        views[target] = extents[name]
                 out[target] = t.to(dtype)
                 del t
     return out, ReadReport(files=len(files), tensors=len(out), skipped=skipped,
-                           dequantized=dequantized, native=native)
+                           dequantized=dequantized, native=native, views=views)
 
 
 def _open(path: Path):

@@ -239,6 +239,10 @@ class HybridModel:
     """A Qwen3.5 / Qwen3-Next language model over one sequence's preallocated buffers."""
 
     chooses = True  # forward_batch takes ``choose`` (a greedy position's token alone)
+    # where a weight kept as its file's mapping lies in the file (load's, on the CPU): the
+    # head's screen is built from the file's bytes, so that the head's mapped pages stay
+    # untouched until a request reads the whole head
+    file_extents: "dict[str, checkpoint.Extent]" = {}
 
     def __init__(self, config: HybridConfig, weights: dict[str, torch.Tensor],
                  dtype: torch.dtype | None = None, source: Path | None = None,
@@ -325,6 +329,10 @@ class HybridModel:
         model = cls(config, weights, dtype=dtype, source=model_dir, images=images,
                     device=device)
         del weights  # what the model did not take over (it stacks the experts as it frees them)
+        if device.type == "cpu":
+            model.file_extents = dict(report.views)
+            if config.tie_word_embeddings and "embed_tokens.weight" in report.views:
+                model.file_extents["lm_head.weight"] = report.views["embed_tokens.weight"]
         held = {t.data_ptr(): t for t in model.w.values()}.values()  # tied: one tensor
         log.info("checkpoint_loaded", model_type=config.model_type,
                  dtype=str(dtype).removeprefix("torch."), device=str(device),
@@ -499,11 +507,45 @@ class HybridModel:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return cos.to(self.dtype), sin.to(self.dtype)
 
+    def _rows_file(self, name: str) -> "head_screen.RowsFile | None":
+        """Weight ``name`` as rows its file holds (screen.RowsFile), where load kept it as the
+        file's mapping on the CPU: opened once (None where it cannot be, or the bytes differ).
+        A tied head and embedding share one."""
+        files = self.__dict__.setdefault("_rows_files", {})
+        extent = self.file_extents.get(name)
+        if extent is None or self.device.type != "cpu":
+            return None
+        if extent not in files:
+            files[extent] = head_screen.RowsFile.open(extent, self.w[name])
+        return files[extent]
+
+    def _embed_file(self) -> "head_screen.RowsFile | None":
+        """embed_tokens as rows its file holds, where the head's screen reads its rows from the
+        file (a tied table is the head: looking rows up through the mapping would map the
+        head's pages back in, screen.RowsFile); None: look them up in the mapping."""
+        plan = self.__dict__.get("_native_plan")
+        if plan is None or plan.screen is None or plan.screen.file is None:
+            return None
+        return self._rows_file("embed_tokens.weight")
+
+    def _embedding(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """F.embedding over embed_tokens, its rows read from the file where _embed_file says
+        so: the same bytes."""
+        table = self.w["embed_tokens.weight"]
+        f = self._embed_file()
+        if f is None or token_ids.device.type != "cpu" or token_ids.numel() == 0 \
+                or token_ids.dtype not in (torch.int64, torch.int32):
+            return F.embedding(token_ids, table)
+        rows = f.gather(token_ids.reshape(-1))
+        if rows is None:  # an id out of range (F.embedding's error says so) or a short read
+            return F.embedding(token_ids, table)
+        return rows.view(*token_ids.shape, table.shape[1])
+
     def embed(self, token_ids: torch.Tensor,
               image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The input rows of ``token_ids``; ``image_rows`` ``(index, rows)`` put the tower's
         rows in place of the placeholders' embeddings at those indices."""
-        x = F.embedding(token_ids, self.w["embed_tokens.weight"])
+        x = self._embedding(token_ids)
         if image_rows is not None:
             index, rows_ = image_rows
             x[index.to(x.device)] = rows_.to(x.device, x.dtype)
@@ -901,10 +943,12 @@ class HybridModel:
         if n == 1 and 0 <= token_ids[0] < embed.shape[0]:
             # the row and its pad, one view (x is never written in place); F.embedding refuses
             # an id out of range, where indexing would take a negative one from the end
-            x = embed[token_ids[0]].expand(block, -1)
+            f = self._embed_file()
+            row = f.gather(torch.tensor(token_ids[:1])) if f is not None else None
+            x = (embed[token_ids[0]] if row is None else row[0]).expand(block, -1)
         else:
             ids = token_ids if n >= block else token_ids * block
-            x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device), embed)
+            x = self._embedding(torch.tensor(ids, dtype=torch.long, device=self.device))
         turns = positions if rope_offsets is None else [p + o for p, o in
                                                           zip(positions, rope_offsets)]
         step = self._native_step()
@@ -973,8 +1017,7 @@ class HybridModel:
         turns = [p + o + j for p, o, b in zip(positions, offsets, blocks) for j in range(len(b))]
         keys = [s.views["K"].tensor for s, b in zip(states, blocks) for _ in b]
         values = [s.views["V"].tensor for s, b in zip(states, blocks) for _ in b]
-        x = F.embedding(torch.tensor(ids, dtype=torch.long, device=self.device),
-                        self.w["embed_tokens.weight"])
+        x = self._embedding(torch.tensor(ids, dtype=torch.long, device=self.device))
         logits: list[torch.Tensor | None] = [None] * len(blocks)
         step = self._native_step()
         if step is not None and x.stride(1) == 1 and step.fits(states):
@@ -1092,7 +1135,8 @@ class HybridModel:
             self._native_plan = plan = native_step.NativeStep.build(self)
             if plan is not None and head_screen.enabled():
                 t0 = time.perf_counter()
-                screen = head_screen.build(self.w["lm_head.weight"])
+                screen = head_screen.build(self.w["lm_head.weight"],
+                                           self._rows_file("lm_head.weight"))
                 plan.set_screen(screen)
                 log.info("head_screen_built", nbytes=screen.nbytes,
                          seconds=round(time.perf_counter() - t0, 2))

@@ -6,12 +6,20 @@
 #include <stdint.h>
 
 /* rows.c */
+/* where a weight matrix's rows lie in its file (fd -1: nowhere; read the mapping) */
+struct head_file {
+  long fd;
+  long offset;
+};
 void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, long K, float *Y,
                      long ldy, int threads);
 void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
                                  const int8_t *Q, const float *scale, const float *radius,
                                  const float *rq, float wmax, float *approx, long *tokens,
-                                 long *exact, double *xerr, int threads);
+                                 long *exact, double *xerr, int threads,
+                                 const struct head_file *file);
+long tandem_gather_rows_fd(int fd, long offset, long row_bytes, long N, const long *ids, long n,
+                           char *out, int threads);
 
 /* norms.c */
 void tandem_rms_rows_f32(const float *x, long ldx, long rows, long d, const float *gain,

@@ -10,9 +10,11 @@
    by construction rather than by measurement. Float addition commutes, so the tree's operands
    may come in either order; nothing here is compiled with -ffast-math (no reassociation). */
 #include <math.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "simd16.h"
 
 
@@ -316,10 +318,30 @@ static double lower_max(const float *approx, const float *radius, const float *r
   return -INFINITY;
 }
 
+/* Row j of the head W [N, K]: read from the file where ``file`` names it (fd >= 0; the bytes
+   at offset + j K 4 are the mapping's, screen.py's build checks) into rowbuf, so the exact
+   pass maps none of the head's pages (a touched page maps its whole page-cache folio, up to
+   megabytes); the mapping's own row where there is no file or the read falls short. The same
+   floats either way, so the same bits from one_row. */
+static const float *head_row(const float *W, long K, long j, const struct head_file *file,
+                             float *rowbuf) {
+  if (file != NULL && file->fd >= 0 && rowbuf != NULL) {
+    size_t want = (size_t)K * sizeof(float), got = 0;
+    off_t at = (off_t)file->offset + (off_t)j * (off_t)want;
+    while (got < want) {
+      ssize_t r = pread(file->fd, (char *)rowbuf + got, want - got, at + (off_t)got);
+      if (r <= 0) break;
+      got += (size_t)r;
+    }
+    if (got == want) return rowbuf;
+  }
+  return W + j * K;
+}
+
 /* Pass 2 for one input: the rows whose upper bound reaches M computed exactly, their argmax. */
 static long pick(const float *x, long K, const float *W, long N, const float *radius,
                  const float *rq, const float *approx, double a, double d, double M,
-                 long *exact) {
+                 long *exact, const struct head_file *file, float *rowbuf) {
   const double margin = (double)(2 * K + 16) * 0x1p-149;  /* subnormal products' error */
   /* 16 rows at a time: a float test lets through every row the double test below would, so
      the double test runs on the few that pass. The radius a r + d rq (no cancellation: every
@@ -346,7 +368,7 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
       double r = a * (double)radius[j] + d * (double)rq[j] + margin;
       if (!((double)approx[j] + r >= M) && isfinite(approx[j]) && isfinite(radius[j]))
         continue;  /* provably below */
-      float v = one_row(x, W + j * K, K);
+      float v = one_row(x, head_row(W, K, j, file, rowbuf), K);
       count++;
       if (nan_seen) continue;
       if (isnan(v)) { nan_seen = 1; best = j; continue; }
@@ -376,11 +398,13 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
    R inputs xs[b] (1 to 4) at once, the screen read once for them all: tokens[b] the token,
    or -1 where xs[b] is not finite or so large that a sum could overflow (the caller computes
    the full head then); approx [R, N] the screened logits (scratch); *exact (may be NULL): how
-   many rows pass 1 left to compute, over every input; xerr[b] (may be NULL): input b's d. */
+   many rows pass 1 left to compute, over every input; xerr[b] (may be NULL): input b's d;
+   file (may be NULL): where the exact pass reads W's rows from (head_row). */
 void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const float *W, long N,
                                  const int8_t *Q, const float *scale, const float *radius,
                                  const float *rq, float wmax, float *approx, long *tokens,
-                                 long *exact, double *xerr, int threads) {
+                                 long *exact, double *xerr, int threads,
+                                 const struct head_file *file) {
   double a[4], d[4], M[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
   const float *ok[4];
   long live = 0, at[4];
@@ -438,9 +462,12 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
     }
   }
   free(xq);
+  float *rowbuf = file != NULL && file->fd >= 0 ? malloc(sizeof(float) * K) : NULL;
   long count = 0;
   for (long b = 0; b < live; b++)
-    tokens[at[b]] = pick(ok[b], K, W, N, radius, rq, approx + b * N, a[b], d[b], M[b], &count);
+    tokens[at[b]] = pick(ok[b], K, W, N, radius, rq, approx + b * N, a[b], d[b], M[b], &count,
+                         file, rowbuf);
+  free(rowbuf);
   if (exact) *exact = count;
 }
 
@@ -477,4 +504,29 @@ void tandem_head_screen_rows_f32(const float *W, long N, long K, int8_t *Q, floa
     }
     scale[n] = s, m_out[n] = m, e_out[n] = e, q1_out[n] = q1, finite[n] = (uint8_t)ok;
   }
+}
+
+/* Rows ids[0..n) of a matrix stored row after row in a file (row_bytes each from offset) into
+   out [n, row_bytes], by pread: an embedding lookup that maps none of the matrix's pages (the
+   tied head's, screen.py). Returns 0, or -1 where an id is not one of the N rows or a read
+   fell short (the caller looks them up in the mapping then, which says which). */
+long tandem_gather_rows_fd(int fd, long offset, long row_bytes, long N, const long *ids, long n,
+                           char *out, int threads) {
+  for (long i = 0; i < n; i++)
+    if (ids[i] < 0 || ids[i] >= N) return -1;
+  long bad = 0;
+  #pragma omp parallel for num_threads(threads) schedule(static) reduction(+: bad) \
+      if(threads > 1 && n >= 256)
+  for (long i = 0; i < n; i++) {
+    size_t got = 0;
+    const off_t at = (off_t)offset + (off_t)ids[i] * (off_t)row_bytes;
+    char *o = out + i * row_bytes;
+    while (got < (size_t)row_bytes) {
+      ssize_t r = pread(fd, o + got, (size_t)row_bytes - got, at + (off_t)got);
+      if (r <= 0) break;
+      got += (size_t)r;
+    }
+    bad += got != (size_t)row_bytes;
+  }
+  return bad ? -1 : 0;
 }

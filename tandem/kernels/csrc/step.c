@@ -61,6 +61,7 @@ struct step_model {
   const int8_t *head_q;
   const float *head_scale, *head_radius, *head_rq;
   float head_wmax;
+  struct head_file head_file;  /* where the exact pass reads the head's rows (fd -1: mapping) */
 };
 
 static int screened(const struct step_model *M, const long *choose, long r) {
@@ -95,7 +96,7 @@ static void head(const struct step_model *M, const float *h, long R, float *logi
     if (n == 0) continue;
     tandem_head_argmax_rows_f32(xs, n, D, M->head, V, M->head_q, M->head_scale,
                                 M->head_radius, M->head_rq, M->head_wmax, approx, tokens, NULL,
-                                NULL, threads);
+                                NULL, threads, &M->head_file);
     for (long i = 0; i < n; i++) {
       if (tokens[i] < 0)
         tandem_rows_f32(xs[i], D, 1, M->head, V, D, logits + rows[i] * V, V, threads);
