@@ -79,3 +79,50 @@ async def test_the_screen_answers_as_the_full_head_does(small_loaded, make_confi
     finally:
         plan.set_screen(kept)
     assert screened == full
+
+
+async def test_greedy_requests_through_http_leave_the_heads_pages_unmapped(make_config, serve,
+                                                                            sdk, tmp_path):
+    """A model of its own (a fresh mapping): greedy chats and completions through the server,
+    streamed and not, leave the tied head's pages unmapped (its screen, exact rows and
+    embedding rows read from the file: tests/kernels/test_rows_file.py); a sampled request,
+    which reads the whole head, maps it (the count is not blind)."""
+    import os
+    from pathlib import Path
+
+    from small_hybrid import make_small_hybrid
+    from tandem.models import load_model
+
+    path = make_small_hybrid(tmp_path / "models" / "small")
+    loaded = load_model(str(path), Path(path).parent, "float32")
+    head = loaded.model.w["lm_head.weight"]
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def mapped() -> float:
+        lo = head.data_ptr() // page
+        hi = (head.data_ptr() + head.numel() * 4 + page - 1) // page
+        try:
+            with open("/proc/self/pagemap", "rb") as f:
+                f.seek(lo * 8)
+                entries = memoryview(f.read((hi - lo) * 8)).cast("Q")
+        except OSError:
+            pytest.skip("no /proc/self/pagemap here")
+        return sum(1 for e in entries if e >> 63) / (hi - lo)
+
+    async with serve(build_app(make_config(window=4096), loaded)) as server:
+        client = sdk(server)
+        await _answers_greedy(client)
+        assert mapped() < 0.01
+        await client.chat.completions.create(
+            model="small", messages=[{"role": "user", "content": USER}], max_tokens=4,
+            temperature=0.8, seed=1)
+        assert mapped() > 0.9
+
+
+async def _answers_greedy(client):
+    await client.chat.completions.create(
+        model="small", messages=[{"role": "user", "content": USER}], max_tokens=24,
+        temperature=0)
+    stream = await client.completions.create(model="small", prompt=USER * 3, max_tokens=32,
+                                             temperature=0, stream=True)
+    assert "".join([c.choices[0].text async for c in stream if c.choices])
