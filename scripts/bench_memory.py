@@ -1,5 +1,6 @@
 """Memory of a served model: what the process holds after load, after the engine is built, and
-at the peak of a cold 4k prefill, each over the weights' bytes (issue 14, part 5 and item e).
+at the peak of a cold 4k prefill (a greedy request's: its first token through the head's screen),
+each over the weights' bytes (issue 14, part 5 and item e).
 
 The checkpoint is a random 0.8B-like Qwen3.5 (24 layers, hidden 1,024, fp32, tied 248k head:
 3.0 GB), drawn with tiny's recipe and written once under --dir. Each measurement runs in a
@@ -98,7 +99,8 @@ def measure(path: Path, tokens: int, window: int | None, chunk: int | None,
         fix_malloc()
 
     from tandem.config import load_config
-    from tandem.engine import Engine
+    from tandem.engine import Engine, run_steps
+    from tandem.models.base import HeadRow
     from tandem.models import load_model
 
     if threads:
@@ -160,7 +162,12 @@ def measure(path: Path, tokens: int, window: int | None, chunk: int | None,
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
-    engine.prefill(ids.tolist())
+    # as a greedy request's prefill: the last position's row, its token through the head's
+    # screen (the logits, and the head's mapped pages, only for a request that reads them)
+    last = run_steps(engine.prefill_steps(ids.tolist(), row=True))
+    if isinstance(last, HeadRow):
+        chosen = last.choose()
+        out["first_token"] = chosen.token if chosen is not None else None
     out["prefill_s"] = time.perf_counter() - t0
     stop.set()
     sampler.join()
