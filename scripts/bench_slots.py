@@ -1,7 +1,7 @@
 """Slots against one sequence, side by side in one run, through the HTTP server on `tiny`.
 
     .venv/bin/python scripts/bench_slots.py [--long 16384] [--turns 8] [--system 3072]
-                                            [--parallel 4] [--figures a,b,c]
+                                            [--parallel 4] [--figures a,b,c] [--rounds 5]
 
 (a) one long prompt, then a new conversation of ``--turns`` turns (each prompt the last plus
     its answer and a ~700-token message): the turns' tokens forwarded over the final
@@ -13,7 +13,8 @@
 (b) A, B, A, B, A, B with a shared ``--system``-token system prompt: tokens re-read on each
     return;
 (c) 4 conversations sent at once, each turn carrying the last answer: aggregate decode tokens/s
-    over one stream's, and the tokens each turn re-read.
+    over one stream's, the tokens each turn re-read and the last of the four first tokens
+    (medians over ``--rounds`` rounds, each the one stream alone and then the four).
 
 Each figure is measured with ``parallel`` slots and with one, in the same run, each against a
 ``tandem serve`` of its own (a process apart from this client); prompts are text (random
@@ -29,6 +30,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -139,26 +141,43 @@ async def figure_b(server: Server, system: int) -> dict:
     return {"reread_per_return": sum(reread) / len(reread)}
 
 
-async def figure_c(server: Server) -> dict:
+async def figure_c(server: Server, rounds: int) -> dict:
     """Each conversation's next turn carries its answer, as a client's does, so that it resumes
     at its end anchor and the four turns decode side by side rather than wait on each other's
     prefill (sending the prompt again without the answer parts from the rows and re-reads the
-    whole conversation: three prefills inside the wall)."""
+    whole conversation: three prefills inside the wall). ``rounds`` times: one conversation's
+    turn alone (its decode rate: tokens after the first over the time after the first), then
+    the four at once (their tokens after the first over the wall after the earliest first
+    token); the medians of the rounds, and of each round's ratio (this host's rate drifts by a
+    third within minutes, so a single round's ratio swung from 1.7 to 2.5)."""
     prompts = [f"Story {i}. " + _words(20 + i, 200) for i in range(4)]
     for i, p in enumerate(prompts):
         prompts[i] = p + (await server.complete(p, 2))["text"]  # every conversation in place
-    prompts[0] += " more"
-    one = await server.complete(prompts[0], 64)
-    prompts[0] += one["text"]
-    single = 63 / ((one["total_ms"] - one["ttft_ms"]) / 1000)
-    t0 = time.perf_counter()
-    runs = await asyncio.gather(*(server.complete(p + " again", 64) for p in prompts))
-    wall = time.perf_counter() - t0
-    first = min(r["ttft_ms"] for r in runs) / 1000
-    aggregate = 4 * 63 / max(wall - first, 1e-9)
-    return {"single_tok_s": single, "aggregate_tok_s": aggregate,
-            "aggregate_over_single": aggregate / single,
-            "reread_per_turn": sum(r["usage"]["tandem"]["cache"]["reread"] for r in runs) / 4}
+    singles, aggregates, ratios, reread, last_ttft = [], [], [], [], []
+    for r in range(rounds):
+        prompts[0] += f" more {r}"
+        one = await server.complete(prompts[0], 64)
+        prompts[0] += one["text"]
+        single = (one["usage"]["completion_tokens"] - 1) / ((one["total_ms"] - one["ttft_ms"])
+                                                          / 1000)
+        prompts = [p + f" again {r}" for p in prompts]
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*(server.complete(p, 64) for p in prompts))
+        wall = time.perf_counter() - t0
+        prompts = [p + run["text"] for p, run in zip(prompts, runs)]
+        first = min(run["ttft_ms"] for run in runs) / 1000
+        tokens = sum(run["usage"]["completion_tokens"] - 1 for run in runs)
+        aggregate = tokens / max(wall - first, 1e-9)
+        singles.append(single)
+        aggregates.append(aggregate)
+        ratios.append(aggregate / single)
+        reread.append(sum(run["usage"]["tandem"]["cache"]["reread"] for run in runs) / 4)
+        last_ttft.append(max(run["ttft_ms"] for run in runs))
+    return {"single_tok_s": statistics.median(singles),
+            "aggregate_tok_s": statistics.median(aggregates),
+            "aggregate_over_single": statistics.median(ratios),
+            "reread_per_turn": statistics.median(reread),
+            "last_first_token_ms": statistics.median(last_ttft)}
 
 
 async def main_async(args) -> None:
@@ -175,7 +194,7 @@ async def main_async(args) -> None:
                 if "b" in figures:
                     got.update(await figure_b(server, args.system))
                 if "c" in figures:
-                    got.update(await figure_c(server))
+                    got.update(await figure_c(server, args.rounds))
                 rows.append((parallel, got))
     print(f"model tiny, window {args.window}; llama-server on the same weights, on compare.py's "
           f"agent chat (issue 14): 0.93 and 926 ms; (a)'s floor is its own workload's\n")
@@ -199,6 +218,7 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--window", type=int, default=32768)
     ap.add_argument("--figures", default="a,b,c")
+    ap.add_argument("--rounds", type=int, default=5, help="(c)'s rounds, their medians printed")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 
