@@ -520,12 +520,15 @@ class HybridModel:
         return files[extent]
 
     def _embed_file(self) -> "head_screen.RowsFile | None":
-        """embed_tokens as rows its file holds, where the head's screen reads its rows from the
-        file (a tied table is the head: looking rows up through the mapping would map the
-        head's pages back in, screen.RowsFile); None: look them up in the mapping."""
-        plan = self.__dict__.get("_native_plan")
-        if plan is None or plan.screen is None or plan.screen.file is None:
-            return None
+        """embed_tokens as rows its file holds, where load kept the table as the file's mapping:
+        a lookup by pread maps none of its pages (screen.RowsFile), so the process holds the
+        rows it reads, never the table. A tied table is the head: only where the head's screen
+        reads its rows from the file too (else greedy decode reads the whole head anyway).
+        None: look the rows up in the mapping."""
+        if self.config.tie_word_embeddings:
+            plan = self.__dict__.get("_native_plan")
+            if plan is None or plan.screen is None or plan.screen.file is None:
+                return None
         return self._rows_file("embed_tokens.weight")
 
     def _embedding(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -151,3 +151,39 @@ def test_greedy_generation_maps_none_of_the_heads_pages_and_gives_the_same_token
     native.rows_f32(torch.ones(1, head.shape[1]), head)
     mapped, pages = _mapped_pages(head)
     assert mapped * 10 > pages * 9, (mapped, pages)
+
+
+@pytest.mark.skipif(not _pagemap_readable(), reason="no /proc/self/pagemap here")
+def test_an_untied_embedding_is_looked_up_from_the_file_and_stays_unmapped(tmp_path):
+    """An untied checkpoint: its embedding table is never read whole, so its lookups go by
+    pread too: after a prefill and greedy tokens the table's pages are still unmapped, the
+    rows are F.embedding's, and the head's screen reads its own file's rows."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from small_hybrid import SMALL_CONFIG, _long_memory
+    from tandem.models.tiny import _weights
+
+    config = dict(SMALL_CONFIG, tie_word_embeddings=False)
+    path = tmp_path / "untied"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(_long_memory(_weights(config)), str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    model = HybridModel.load(path)
+    table, head = model.w["embed_tokens.weight"], model.w["lm_head.weight"]
+    assert table.data_ptr() != head.data_ptr()
+    plan = model._native_step()
+    assert plan.screen.file is not None and model._embed_file() is not None
+    assert model._embed_file() is not plan.screen.file  # each matrix its own extent
+    ids = torch.tensor([0, 7, table.shape[0] - 1])
+    assert torch.equal(model._embedding(ids), F.embedding(ids, table))
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, model.vocab_size, (200,), generator=g).tolist()
+    out = run_steps(Engine(model, window=512, prefix_chunk=64).generate_steps(
+        prompt, SamplingParams(max_tokens=24)))
+    assert len(out.token_ids) == 24
+    for t in (table, head):
+        mapped, pages = _mapped_pages(t)
+        assert mapped * 100 < pages, (mapped, pages)
