@@ -177,7 +177,7 @@ def _up(v: np.ndarray) -> torch.Tensor:
 
 
 # Rows of the head one read of its file takes while the screen is built from the file.
-BUILD_CHUNK_BYTES = 8 << 20
+BUILD_CHUNK_BYTES = 2 << 20
 
 
 def build(weight: torch.Tensor, file: RowsFile | None = None) -> HeadScreen:

@@ -240,8 +240,9 @@ class HybridModel:
 
     chooses = True  # forward_batch takes ``choose`` (a greedy position's token alone)
     # where a weight kept as its file's mapping lies in the file (load's, on the CPU): the
-    # head's screen is built from the file's bytes, so that the head's mapped pages stay
-    # untouched until a request reads the whole head
+    # head's screen, its exact rows and the embedding's lookups read those bytes from the file
+    # (_rows_file), so that those matrices' mapped pages stay untouched until a request reads
+    # the whole head
     file_extents: "dict[str, checkpoint.Extent]" = {}
 
     def __init__(self, config: HybridConfig, weights: dict[str, torch.Tensor],
