@@ -173,7 +173,23 @@ class EndRecords:
                                            hidden_in_generated=hidden_in_generated)
         self._record_namespace = resident.namespace
         if self.store_backed:  # only a store's session snapshots are keyed by them
-            self.recent.append((resident.namespace, self.record))
+            self._keep_recent(resident.namespace, self.record)
+
+    def _keep_recent(self, namespace: Namespace, record: EndRecord) -> None:
+        """The newest turn's record among the recent ones. The same turn again (a chat UI's
+        title and tags requests resend the conversation, a client retries, a prompt is sent
+        twice) replaces its older copy rather than filling the deque with it: a copy that
+        aligns with no end is aligned with every recent record on each request (16k tokens
+        compared eight times over, a few ms of the loop's). Same rows and hidden spans is the
+        same turn: the store keys its snapshot by the rows, and the newer record's regions are
+        the older one's and more (each repeat adds its own, empty when max_tokens left no
+        generated row in the rows)."""
+        for i, (kept_namespace, kept) in enumerate(self.recent):
+            if kept_namespace == namespace and len(kept.rows) == len(record.rows) \
+                    and kept.hidden == record.hidden and kept.rows == record.rows:
+                del self.recent[i]
+                break
+        self.recent.append((namespace, record))
 
     def _continued(self, rows: list[int], namespace: Namespace) -> EndRecord | None:
         """The longest record the rows in place start with: the one in place, or a recent
