@@ -179,10 +179,11 @@ class CompletionRequest(_Sampling, frozen=True, kw_only=True):
             return p
         if not p:
             raise bad_request("the prompt is empty", "prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            bad = [t for t in p if not 0 <= t < vocab_size]
-            if bad:
-                raise bad_request(f"token id {bad[0]} is outside the vocabulary (size "
+        # (in C: a 100k-token prompt was two Python loops, some 10 ms of the event loop's)
+        if set(map(type, p)) == {int}:  # plain ints: a JSON true is a bool, not an id
+            if min(p) < 0 or max(p) >= vocab_size:
+                bad = next(t for t in p if not 0 <= t < vocab_size)
+                raise bad_request(f"token id {bad} is outside the vocabulary (size "
                                   f"{vocab_size})", "prompt")
             return list(p)
         if all(isinstance(t, (str, list)) for t in p):
