@@ -263,8 +263,13 @@ class EndRecord:
         served = list(served)
         generated = list(generated)
         start = len(served)
-        region = Region.of_generation(start, generated, think_close_id,
-                                      thinking=_opens_reasoning(served, think_close_id))
+        # A turn with no generated row in the rows (max_tokens 1: its one token is not in
+        # them) has an empty region, which says nothing: it is left out, or a prompt sent
+        # again and again would grow its record by one region a request.
+        region = (Region.of_generation(start, generated, think_close_id,
+                                       thinking=_opens_reasoning(served, think_close_id))
+                  if generated else None)
+        new = [region] if region is not None else []
         hidden = list(served_hidden) + _runs(start + p for p in hidden_in_generated)
         if previous is not None:
             n = len(previous.rows)
@@ -275,8 +280,8 @@ class EndRecord:
             hidden = [h for h in previous.hidden if h[1] <= shared] + [
                 h for h in hidden if h[1] > shared]
             regions = [r for r in previous.regions if r.stop <= shared]
-            return cls(served + generated, hidden, regions + [region])
-        return cls(served + generated, hidden, [region])
+            return cls(served + generated, hidden, regions + new)
+        return cls(served + generated, hidden, new)
 
     # -- the byte streams -----------------------------------------------------------------
 

@@ -40,3 +40,17 @@ def test_records_of_other_rows_namespaces_or_hidden_spans_are_all_kept():
     for i in range(RECENT + 3):
         ends._keep_recent("a", EndRecord(rows + [i]))
     assert len(ends.recent) == RECENT  # still a bounded deque
+
+
+def test_a_turn_with_no_generated_row_adds_no_region():
+    """max_tokens 1 leaves the one token out of the rows: the turn's region would be empty, and
+    a prompt sent again and again grew its record by one such region a request."""
+    served = list(range(1000, 1050))
+    record = EndRecord.after_turn(None, served, [])
+    for _ in range(20):
+        record = EndRecord.after_turn(record, served, [])
+    assert record.regions == [] and record.rows == served
+    turn = EndRecord.after_turn(record, served + [5], [6, 7])
+    assert [(r.start, r.stop) for r in turn.regions] == [(51, 53)]
+    again = EndRecord.after_turn(turn, turn.rows, [])
+    assert again.regions == turn.regions
