@@ -181,9 +181,8 @@ class EndRecords:
         twice) replaces its older copy rather than filling the deque with it: a copy that
         aligns with no end is aligned with every recent record on each request (16k tokens
         compared eight times over, a few ms of the loop's). Same rows and hidden spans is the
-        same turn: the store keys its snapshot by the rows, and the newer record's regions are
-        the older one's and more (each repeat adds its own, empty when max_tokens left no
-        generated row in the rows)."""
+        same turn: the store keys its snapshot by the rows, and the newer record, the latest
+        turn's regions with it, is the one kept."""
         for i, (kept_namespace, kept) in enumerate(self.recent):
             if kept_namespace == namespace and len(kept.rows) == len(record.rows) \
                     and kept.hidden == record.hidden and kept.rows == record.rows:
