@@ -145,7 +145,7 @@ SIGNATURES["tandem_head_argmax_rows_f32"] = [_P, _L, _L, _P, _L, _P, _P, _P, _P,
 # csrc/rows.c: an embedding lookup by pread (screen.RowsFile.gather); 0, or -1 (an id out of
 # range, a short read)
 SIGNATURES["tandem_gather_rows_fd"] = [_I, _L, _L, _L, _P, _L, _P, _I]
-SIGNATURES["tandem_head_screen_rows_f32"] = [_P, _L, _L, _P, _P, _P, _P, _P, _P, _I]
+SIGNATURES["tandem_head_screen_rows_f32"] = [_P, _L, _L, _P, _P, _P, _P, _P, _P, _L, _I]
 RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I, "tandem_gather_rows_fd": _L}  # the rest return void
 
 

@@ -61,6 +61,18 @@ ROWS_MAX = 4
 # 11.83, 13.01 and 17.64 with the full head. Past it the full head is read.
 STEP_ROWS_MAX = 12
 
+# Rows a block of the packed screen (csrc/rows.c's SCREEN_BLOCK): in a block the columns go in
+# pairs, each pair's BLOCK rows with their two weights side by side, so that one vpmaddwd by an
+# input's pair gives 8 rows' sums in 8 lanes (no horizontal sum a row) and an input's pair is
+# read once for 16 rows.
+BLOCK = 16
+
+
+def unpack(q: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The packed rows ``q`` of a screen as [n, k] int8, row after row (for tests)."""
+    return q.permute(0, 2, 1, 3).reshape(-1, q.shape[1] * 2)[:n, :k]
+
+
 _enabled = True
 
 
@@ -77,7 +89,7 @@ def enabled() -> bool:
 
 @dataclass
 class HeadScreen:
-    q: torch.Tensor       # [N, K] int8
+    q: torch.Tensor       # int8 rows packed [N / BLOCK, K / 2, BLOCK, 2] (``unpack``)
     scale: torch.Tensor   # [N] fp32
     radius: torch.Tensor  # [N] fp32, per unit of |x|_1; inf for a row that is not finite
     rq: torch.Tensor      # [N] fp32, per unit of the input's int16 error d
@@ -195,7 +207,7 @@ def build(weight: torch.Tensor, file: RowsFile | None = None) -> HeadScreen:
     if weight.dtype != torch.float32 or weight.dim() != 2 or not weight.is_contiguous():
         raise ValueError("the screen takes a contiguous fp32 head [N, K]")
     n, k = weight.shape
-    q = torch.empty(n, k, dtype=torch.int8)
+    q = torch.zeros(-(-n // BLOCK), (k + 1) // 2, BLOCK, 2, dtype=torch.int8)
     scale = torch.empty(n, dtype=torch.float32)
     m, e, q1 = (np.empty(n, dtype=np.float64) for _ in range(3))
     finite = np.empty(n, dtype=np.uint8)
@@ -203,13 +215,13 @@ def build(weight: torch.Tensor, file: RowsFile | None = None) -> HeadScreen:
     threads = torch.get_num_threads()
 
     def quantise(ptr: int, lo: int, hi: int) -> None:
-        rows_f32(ptr, hi - lo, k, q.data_ptr() + lo * k, scale.data_ptr() + 4 * lo,
+        rows_f32(ptr, hi - lo, k, q.data_ptr(), scale.data_ptr() + 4 * lo,
                  m.ctypes.data + 8 * lo, e.ctypes.data + 8 * lo, q1.ctypes.data + 8 * lo,
-                 finite.ctypes.data + lo, threads)
+                 finite.ctypes.data + lo, lo, threads)
 
     if file is not None and (file.rows, file.row_bytes) != (n, 4 * k):
         raise ValueError("the rows' file is not this head's")
-    chunk = max(1, BUILD_CHUNK_BYTES // (4 * k))
+    chunk = max(1, BUILD_CHUNK_BYTES // (4 * k * BLOCK)) * BLOCK  # whole blocks a thread
     buf = np.empty(min(chunk, n) * k, dtype=np.float32) if file is not None else None
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)

@@ -125,6 +125,38 @@ def test_the_inputs_own_int16_error_is_inside_the_bound():
     assert beyond > 0  # the case this test is for: the |x|_1 term alone falls short
 
 
+def _screened_reference(x: torch.Tensor, w: torch.Tensor, s) -> torch.Tensor:
+    """Pass 1's screened logits as csrc/rows.c defines them, computed here row after row from
+    the screen's unpacked rows: scale (t S), S = sum_k q[k] xq[k] in integers."""
+    n, k = w.shape
+    X = 32767 if k <= 2147483647 // (127 * 32767) else 2147483647 // (127 * k)
+    t = x.abs().max() / torch.tensor(float(X))
+    xq = torch.round(x / t).clamp(-X, X).long() if t > 0 else torch.zeros(k, dtype=torch.long)
+    sums = screen.unpack(s.q, n, k).long() @ xq
+    return s.scale * (t * sums.float())
+
+
+@pytest.mark.parametrize("n,k", [(3000, 80), (1007, 81), (5, 3), (16, 1)])
+def test_the_packed_screen_holds_each_rows_weights_and_its_sums_are_the_rows(n, k):
+    """Gate: torch.equal. The screen's rows are packed 16 to a block, two columns a lane
+    (screen.BLOCK): unpacked they are round(W / s) row after row, the padding (rows past N, an
+    odd K's last column) is 0, and the screened logits of 1 to 4 inputs at once are the bits
+    of each row's own integer sum, at every row count and an odd K alike."""
+    w = _head(n=max(n, 200), k=k, seed=11)[:n].contiguous()
+    s = screen.build(w)
+    assert s.q.shape == (-(-n // screen.BLOCK), (k + 1) // 2, screen.BLOCK, 2)
+    scale = (w.abs().amax(dim=1) / 127.0)
+    rows = torch.where(scale[:, None] > 0, torch.round(w / scale[:, None]), 0.0)
+    assert torch.equal(screen.unpack(s.q, n, k), rows.clamp(-127, 127).to(torch.int8))
+    padded = s.q.permute(0, 2, 1, 3).reshape(-1, s.q.shape[1] * 2)
+    assert not padded[n:].any() and not padded[:, k:].any()
+    xs = torch.stack(list(_inputs(k, 4, seed=12)))
+    for r in range(1, 5):
+        got = screen.argmax_rows(xs[:r], w, s).approx
+        for b in range(r):
+            assert torch.equal(got[b], _screened_reference(xs[b], w, s))
+
+
 def test_a_tie_goes_to_the_first_row_as_argmax_has_it():
     w = torch.zeros(64, 32)
     w[5] = 1.0

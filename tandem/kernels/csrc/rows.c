@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "simd16.h"
@@ -236,60 +237,73 @@ void tandem_rows_f32(const float *X, long ldx, long B, const float *W, long N, l
    16 int16 inputs a uop, twice the fp32 FMA path's 8 lanes, and the inputs' quantisation
    error enters the bound as d * rq[n] (screen.py). Integer addition associates, so how the
    lanes are summed does not matter. */
-static inline __m128i hsum4_epi32(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-  __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
-  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+
+/* The screen's rows as screen.py packs them: 16 rows a block, and in a block the K columns' P
+   = (K + 1) / 2 pairs one after the other, each pair's 16 rows with their two weights side by
+   side: row n's weight k at Q[((n / 16) P + k / 2) 32 + (n % 16) 2 + k % 2] (a padded column's
+   and padded rows' weights 0). A 16-byte load widened to int16 is 8 rows by one pair, and
+   vpmaddwd by an input's pair (both int16 in every 32-bit lane) gives those 8 rows' partial sums
+   in their own int32 lanes: a block's sums need no horizontal adds, and each input's pair is
+   read once for 16 rows rather than once a row (4 inputs: 6 loads for 8 vpmaddwd, where rows
+   one after another took 5 loads for 4 and a horizontal sum a row). */
+#define SCREEN_BLOCK 16  /* screen.py's BLOCK */
+typedef int32_t v8si __attribute__((vector_size(32)));  /* += on lanes: no spilled accumulator */
+typedef int32_t pair16 __attribute__((may_alias));  /* two int16 inputs read as one 32-bit lane */
+static inline long screen_at(long n, long k, long P) {
+  return ((n / SCREEN_BLOCK) * P + k / 2) * (2 * SCREEN_BLOCK) + (n % SCREEN_BLOCK) * 2 + k % 2;
 }
 
-/* WR int8 rows n.. by BB int16 inputs (WR * BB <= 8 accumulators), the rows read once for the
-   BB: their screened logits approx[b * N + n + r] = scale (t[b] S). */
-#define IKERNEL(NAME, WR, BB) \
+/* The 16 rows of the block at row n (n % 16 == 0; rows past N are padding, not stored) by BB
+   int16 inputs, the block read once for them all: approx[b * N + n + r] = scale (t[b] S). */
+#define BKERNEL(NAME, BB) \
 static inline void NAME(const int16_t *const *xq, const float *t, const int8_t *Q, \
-                        const float *scale, long K, long N, long n, float *approx) { \
-  const int8_t *q = Q + n * K; \
-  __m256i acc[8]; \
-  for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256(); \
-  long k = 0; \
-  for (; k + 16 <= K; k += 16) { \
-    __m256i w[WR]; \
-    for (int r = 0; r < WR; r++) \
-      w[r] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + r * K + k))); \
+                        const float *scale, long P, long N, long n, float *approx) { \
+  const int8_t *q = Q + (n / SCREEN_BLOCK) * P * (2 * SCREEN_BLOCK); \
+  v8si acc[2 * BB]; \
+  for (int j = 0; j < 2 * BB; j++) acc[j] = (v8si){0}; \
+  const pair16 *x32[BB];  /* xq[b] 4-byte aligned: calloc's, 2 P int16 an input */ \
+  for (int b = 0; b < BB; b++) x32[b] = (const pair16 *)xq[b]; \
+  for (long p = 0; p < P; p++) { \
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 32 * p))); \
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 32 * p + 16))); \
     for (int b = 0; b < BB; b++) { \
-      const __m256i x = _mm256_loadu_si256((const __m256i *)(xq[b] + k)); \
-      for (int r = 0; r < WR; r++) \
-        acc[r * BB + b] = _mm256_add_epi32(acc[r * BB + b], _mm256_madd_epi16(w[r], x)); \
+      const __m256i x = _mm256_set1_epi32(x32[b][p]); \
+      acc[b] += (v8si)_mm256_madd_epi16(w0, x); \
+      acc[BB + b] += (v8si)_mm256_madd_epi16(w1, x); \
     } \
   } \
-  int32_t s[8]; \
-  _mm_storeu_si128((__m128i *)s, hsum4_epi32(acc[0], acc[1], acc[2], acc[3])); \
-  if (WR * BB > 4) \
-    _mm_storeu_si128((__m128i *)(s + 4), hsum4_epi32(acc[4], acc[5], acc[6], acc[7])); \
-  for (int r = 0; r < WR; r++) \
-    for (int b = 0; b < BB; b++) { \
-      int32_t v = s[r * BB + b]; \
-      for (long j = k; j < K; j++) v += (int32_t)xq[b][j] * (int32_t)q[r * K + j]; \
-      approx[b * N + n + r] = scale[n + r] * (t[b] * (float)v); \
+  const long rows = N - n < SCREEN_BLOCK ? N - n : SCREEN_BLOCK; \
+  for (int b = 0; b < BB; b++) { \
+    float *out = approx + b * N + n; \
+    if (rows == SCREEN_BLOCK) { \
+      const __m256 tb = _mm256_set1_ps(t[b]); \
+      for (int h = 0; h < 2; h++) \
+        _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(_mm256_loadu_ps(scale + n + 8 * h), \
+                         _mm256_mul_ps(tb, _mm256_cvtepi32_ps((__m256i)acc[h * BB + b])))); \
+    } else { \
+      int32_t s[SCREEN_BLOCK]; \
+      _mm256_storeu_si256((__m256i *)s, (__m256i)acc[b]); \
+      _mm256_storeu_si256((__m256i *)(s + 8), (__m256i)acc[BB + b]); \
+      for (long r = 0; r < rows; r++) out[r] = scale[n + r] * (t[b] * (float)s[r]); \
     } \
+  } \
 }
-IKERNEL(i1x1, 1, 1)
-IKERNEL(i4x1, 4, 1)
-IKERNEL(i2x2, 2, 2)
-IKERNEL(i2x3, 2, 3)
-IKERNEL(i1x4, 1, 4)
+BKERNEL(b1, 1)
+BKERNEL(b2, 2)
+BKERNEL(b3, 3)
+BKERNEL(b4, 4)
 
-/* Screened logits approx[b * N + n] of rows [n0, n1) for R (1 to 4) inputs: a loop for each R,
-   so that each kernel's epilogue is straight code. */
+/* Screened logits approx[b * N + n] of the blocks of rows [n0, n1) (n0 % 16 == 0) for R (1 to
+   4) inputs: a loop for each R, so that each kernel's epilogue is straight code. */
 static void screen_rows(const int16_t *const *xq, const float *t, long R, const int8_t *Q,
-                        const float *scale, long K, long N, long n0, long n1, float *approx) {
-  long n = n0;
-  switch (R) {
-    case 1: for (; n + 4 <= n1; n += 4) i4x1(xq, t, Q, scale, K, N, n, approx); break;
-    case 2: for (; n + 2 <= n1; n += 2) i2x2(xq, t, Q, scale, K, N, n, approx); break;
-    case 3: for (; n + 2 <= n1; n += 2) i2x3(xq, t, Q, scale, K, N, n, approx); break;
-    default: for (; n < n1; n++) i1x4(xq, t, Q, scale, K, N, n, approx); break;
-  }
-  for (; n < n1; n++)
-    for (long b = 0; b < R; b++) i1x1(xq + b, t + b, Q, scale, K, N, n, approx + b * N);
+                        const float *scale, long P, long N, long n0, long n1, float *approx) {
+  for (long n = n0; n < n1; n += SCREEN_BLOCK)
+    switch (R) {
+      case 1: b1(xq, t, Q, scale, P, N, n, approx); break;
+      case 2: b2(xq, t, Q, scale, P, N, n, approx); break;
+      case 3: b3(xq, t, Q, scale, P, N, n, approx); break;
+      default: b4(xq, t, Q, scale, P, N, n, approx); break;
+    }
 }
 
 /* A lower bound of the largest logit from rows [n0, n1) for one input (approx, a, d): the
@@ -380,9 +394,9 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
 }
 
 /* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
-   the operands and states the bound). Q [N, K] int8 and scale [N] are the head's rows
-   quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how far row n's
-   screened logit may lie from the fp32 one this file's kernels compute (the weights'
+   the operands and states the bound). Q (int8, packed as screen_at says) and scale [N] are
+   the head's rows quantised (W[n] ~ scale[n] Q[n]); radius[n] bounds, per unit of |x|_1, how
+   far row n's screened logit may lie from the fp32 one this file's kernels compute (the weights'
    quantisation error, the fp32 sum's rounding and the screened product's), +inf for a row
    that is not finite; rq[n] bounds it per unit of the input's own quantisation error d.
 
@@ -426,13 +440,14 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
   if (live == 0) return;
   /* the inputs in int16 with |xq| <= X: K products of 127 X stay within int32 */
   const long X = K <= 2147483647L / (127L * 32767L) ? 32767L : 2147483647L / (127L * K);
-  int16_t *xq = malloc(sizeof(int16_t) * live * K);
+  const long P = (K + 1) / 2;  /* column pairs; an odd K's last pair has a 0 input */
+  int16_t *xq = calloc((size_t)(live * 2 * P), sizeof(int16_t));
   if (xq == NULL) return;  /* every token -1: the full head */
   const int16_t *xqs[4];
   float t[4];
   for (long b = 0; b < live; b++) {
     const float *x = ok[b];
-    int16_t *o = xq + b * K;
+    int16_t *o = xq + b * 2 * P;
     float A = 0.0f;
     for (long k = 0; k < K; k++) A = fabsf(x[k]) > A ? fabsf(x[k]) : A;
     const float tb = A / (float)X;
@@ -449,13 +464,13 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
   }
   const double margin = (double)(2 * K + 16) * 0x1p-149;
   long chunk = (N + 16 * threads - 1) / (16 * threads);
-  chunk = (chunk + 3) / 4 * 4;
+  chunk = (chunk + SCREEN_BLOCK - 1) / SCREEN_BLOCK * SCREEN_BLOCK;  /* whole blocks */
   long tasks = (N + chunk - 1) / chunk;
   #pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(max: M[:4]) \
       if(threads > 1 && N * K >= 16384)
   for (long i = 0; i < tasks; i++) {
     long n0 = i * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-    screen_rows(xqs, t, live, Q, scale, K, N, n0, n1, approx);
+    screen_rows(xqs, t, live, Q, scale, P, N, n0, n1, approx);
     for (long b = 0; b < live; b++) {
       double lo = lower_max(approx + b * N, radius, rq, a[b], d[b], margin, n0, n1);
       if (lo > M[b]) M[b] = lo;  /* a NaN bound never raises it */
@@ -474,14 +489,17 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
 /* The screen's rows (screen.py's build): for each row of W [N, K] its largest |weight| m[n]
    (0 for a row that is not finite, finite[n] 0), the scale s = m / 127 in fp32, Q = round(W /
    s) in [-127, 127] (0 where s is 0 or the row is not finite), the largest |W - s Q| in
-   double (s Q is exact there), e[n], and sum_k |Q[n, k]|, q1[n]. Rows in parallel. */
+   double (s Q is exact there), e[n], and sum_k |Q[n, k]|, q1[n]. Rows in parallel. W is rows
+   n0 .. n0 + N of the head, scale to finite their entries; Q is the whole packed screen (every
+   byte 0 beforehand: the padding stays 0), these rows written where screen_at puts them. */
 void tandem_head_screen_rows_f32(const float *W, long N, long K, int8_t *Q, float *scale,
                                  double *m_out, double *e_out, double *q1_out, uint8_t *finite,
-                                 int threads) {
+                                 long n0, int threads) {
+  const long P = (K + 1) / 2;
   #pragma omp parallel for num_threads(threads) schedule(static) if(threads > 1)
   for (long n = 0; n < N; n++) {
     const float *w = W + n * K;
-    int8_t *q = Q + n * K;
+    int8_t *q = Q + screen_at(n0 + n, 0, P);  /* weight k at q[(k / 2) 32 + k % 2] */
     float m = 0.0f;
     int ok = 1;
     for (long k = 0; k < K; k++) {
@@ -495,7 +513,7 @@ void tandem_head_screen_rows_f32(const float *W, long N, long K, int8_t *Q, floa
     for (long k = 0; k < K; k++) {
       float r = s > 0.0f && ok ? nearbyintf(w[k] / s) : 0.0f;
       r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-      q[k] = (int8_t)r;
+      q[(k / 2) * (2 * SCREEN_BLOCK) + k % 2] = (int8_t)r;
       q1 += fabsf(r);
       if (ok) {
         double d = fabs((double)w[k] - (double)s * (double)r);
