@@ -171,6 +171,7 @@ def test_rows_that_are_not_finite_are_always_computed_and_answer_as_argmax():
     w = _head(n=500, seed=5)
     w[30, 3] = float("inf")
     w[31, 0] = float("nan")
+    w[400, 2] = float("nan")  # a later NaN, in another of the kernel's chunks: the first wins
     s = screen.build(w)
     assert s.radius[30] == float("inf") and s.radius[31] == float("inf")
     for x in _inputs(w.shape[1], 10, seed=6):

@@ -352,10 +352,14 @@ static const float *head_row(const float *W, long K, long j, const struct head_f
   return W + j * K;
 }
 
-/* Pass 2 for one input: the rows whose upper bound reaches M computed exactly, their argmax. */
-static long pick(const float *x, long K, const float *W, long N, const float *radius,
-                 const float *rq, const float *approx, double a, double d, double M,
-                 long *exact, const struct head_file *file, float *rowbuf) {
+/* One input's pass 2 over rows [n0, n1): the rows whose upper bound reaches M computed
+   exactly, the first index of their largest (its value in *top) or of their first NaN
+   (*nan_seen 1); -1 where none is computed. */
+struct picked { long best, count; float top; int nan_seen; };
+
+static struct picked pick(const float *x, long K, const float *W, long n0, long n1,
+                          const float *radius, const float *rq, const float *approx, double a,
+                          double d, double M, const struct head_file *file, float *rowbuf) {
   const double margin = (double)(2 * K + 16) * 0x1p-149;  /* subnormal products' error */
   /* 16 rows at a time: a float test lets through every row the double test below would, so
      the double test runs on the few that pass. The radius a r + d rq (no cancellation: every
@@ -369,8 +373,8 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
   long best = -1, count = 0;
   float top = 0.0f;
   int nan_seen = 0;
-  for (long j0 = 0; j0 < N; j0 += 16) {
-    const mask16 lanes = tail_mask(N - j0);
+  for (long j0 = n0; j0 < n1; j0 += 16) {
+    const mask16 lanes = tail_mask(n1 - j0);
     vf16 rad = v_fmadd_ps(af, v_maskz_loadu_ps(lanes, radius + j0),
                           v_mul_ps(df, v_maskz_loadu_ps(lanes, rq + j0)));
     vf16 hi = v_add_ps(v_maskz_loadu_ps(lanes, approx + j0), v_mul_ps(rad, grow));
@@ -389,8 +393,7 @@ static long pick(const float *x, long K, const float *W, long N, const float *ra
       if (best < 0 || v > top) { top = v; best = j; }
     }
   }
-  *exact += count;
-  return best;
+  return (struct picked){best, count, top, nan_seen};
 }
 
 /* Greedy's token from the head without reading its fp32 bytes (tandem/kernels/screen.py builds
@@ -477,12 +480,34 @@ void tandem_head_argmax_rows_f32(const float *const *xs, long R, long K, const f
     }
   }
   free(xq);
-  float *rowbuf = file != NULL && file->fd >= 0 ? malloc(sizeof(float) * K) : NULL;
+  /* Pass 2 over the same chunks, for every input in parallel; the chunks' answers then in
+     row order: the first NaN wherever one was computed, else the first of the largest. */
+  struct picked *part = malloc(sizeof(struct picked) * tasks * live);
+  if (part == NULL) return;  /* every token -1: the full head */
+  #pragma omp parallel num_threads(threads) if(threads > 1 && N * K >= 16384)
+  {
+    float *rowbuf = file != NULL && file->fd >= 0 ? malloc(sizeof(float) * K) : NULL;
+    #pragma omp for schedule(dynamic, 1)
+    for (long i = 0; i < tasks * live; i++) {
+      const long b = i / tasks, n0 = (i % tasks) * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+      part[i] = pick(ok[b], K, W, n0, n1, radius, rq, approx + b * N, a[b], d[b], M[b], file,
+                     rowbuf);
+    }
+    free(rowbuf);
+  }
   long count = 0;
-  for (long b = 0; b < live; b++)
-    tokens[at[b]] = pick(ok[b], K, W, N, radius, rq, approx + b * N, a[b], d[b], M[b], &count,
-                         file, rowbuf);
-  free(rowbuf);
+  for (long b = 0; b < live; b++) {
+    long best = -1;
+    float top = 0.0f;
+    for (long c = 0; c < tasks; c++) {
+      const struct picked p = part[b * tasks + c];
+      count += p.count;
+      if (p.best < 0 || (best >= 0 && isnan(top))) continue;
+      if (p.nan_seen || best < 0 || p.top > top) best = p.best, top = p.nan_seen ? NAN : p.top;
+    }
+    tokens[at[b]] = best;
+  }
+  free(part);
   if (exact) *exact = count;
 }
 
