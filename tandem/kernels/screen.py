@@ -55,11 +55,13 @@ import torch
 # Rows one screen call takes: up to 4 share one read of the screen (csrc/rows.c).
 ROWS_MAX = 4
 # Rows a step screens at most, in calls of ROWS_MAX (csrc/step.c's head), each reading the
-# screen once: three reads of a quarter of the head's bytes stay under the one read of the
-# fp32 head a step makes for every row otherwise. A decode step on tiny (forward_batch, in one
-# process, alternated) at 5, 8 and 12 greedy rows: 9.08, 11.55 and 16.33 ms screened against
-# 11.83, 13.01 and 17.64 with the full head. Past it the full head is read.
-STEP_ROWS_MAX = 12
+# screen once. Since the screen's rows are packed (BLOCK), four rows cost a read of a quarter of
+# the head's bytes and little more, so even eight such reads beat the fp32 head's one, which
+# does 8-lane fp32 FMAs for every row. forward_batch at 12, 16, 24 and 32 greedy rows, in one
+# process, alternated: tiny 20.5, 26.3, 34.5 and 43.3 ms screened against 38.9, 45.3, 47.8 and
+# 72.9 with the full head; the 0.8B-like 283, 427, 473 and 622 against 337, 501, 583 and 734.
+# Past it the full head is read.
+STEP_ROWS_MAX = 32
 
 # Rows a block of the packed screen (csrc/rows.c's SCREEN_BLOCK): in a block the columns go in
 # pairs, each pair's BLOCK rows with their two weights side by side, so that one vpmaddwd by an

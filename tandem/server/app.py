@@ -227,7 +227,7 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
                       lambda: counts["screened"])
         metrics.gauge("tandem_head_screen_full_rows",
                       "Greedy-only rows (decode steps, prompts' last positions) that read the "
-                      "full head instead (more than 12 in a step, no screen, or an input the "
+                      "full head instead (more than 32 in a step, no screen, or an input the "
                       "screen does not take).",
                       lambda: counts["full"])
     metrics.gauge("tandem_slots_busy", "Engine slots a request is running in.",

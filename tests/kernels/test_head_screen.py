@@ -243,14 +243,15 @@ def _twin(st):
                     {k: type(v)(v.tensor.clone(), v.token_axis) for k, v in st.views.items()})
 
 
-def test_up_to_twelve_rows_are_chosen_four_a_read_and_a_thirteenth_gets_every_rows_logits(small):
-    """A step screens its greedy rows four to a read of the screen, up to STEP_ROWS_MAX (three
-    reads stay under the fp32 head's one): each row's token is the argmax of the logits the
-    same step gives without the screen; one row more and every row gets its logits."""
+def test_up_to_32_rows_are_chosen_four_a_read_and_a_33rd_gets_every_rows_logits(small):
+    """A step screens its greedy rows four to a read of the screen, up to STEP_ROWS_MAX (eight
+    reads of the packed screen stay under the fp32 head's one): each row's token is the argmax
+    of the logits the same step gives without the screen; one row more and every row gets its
+    logits."""
     _plan(small)
-    assert screen.STEP_ROWS_MAX == 12 and screen.ROWS_MAX == 4
-    for b, seed in ((4, 21), (5, 23), (12, 24)):
-        lengths = [5 + 2 * i for i in range(b)]
+    assert screen.STEP_ROWS_MAX == 32 and screen.ROWS_MAX == 4
+    for b, seed in ((4, 21), (5, 23), (12, 24), (32, 25)):
+        lengths = [5 + 2 * (i % 20) for i in range(b)]
         states, tokens = _states(small, lengths, seed)
         twins = [_twin(st) for st in states]
         full = small.forward_batch(twins, tokens, lengths)
@@ -259,11 +260,11 @@ def test_up_to_twelve_rows_are_chosen_four_a_read_and_a_thirteenth_gets_every_ro
         for a, t in zip(states, twins):
             for k in a.sections:
                 assert torch.equal(a.sections[k], t.sections[k])
-    lengths = [5 + 2 * i for i in range(13)]
+    lengths = [5 + 2 * (i % 20) for i in range(33)]
     states, tokens = _states(small, lengths, 22)
     twins = [_twin(st) for st in states]
     full = small.forward_batch(twins, tokens, lengths)
-    out = small.forward_batch(states, tokens, lengths, choose=[True] * 13)
+    out = small.forward_batch(states, tokens, lengths, choose=[True] * 33)
     assert all(torch.equal(a, b) for a, b in zip(out, full))  # over STEP_ROWS_MAX: the logits
 
 
@@ -320,10 +321,10 @@ def test_a_position_that_wants_logits_is_sent_them(small):
         assert on.logprobs == off.logprobs
 
 
-def test_a_greedy_verify_block_of_up_to_twelve_rows_is_sent_its_tokens(small):
+def test_a_greedy_verify_block_of_up_to_32_rows_is_sent_its_tokens(small):
     """A verify block asking for its tokens alone gets each row's argmax of the logits the
     same block gets on a copy of the sequence (four rows a read of the screen); a block of
-    thirteen gets the logits."""
+    33 gets the logits."""
     from tandem.choices import fork
 
     _plan(small)
@@ -331,7 +332,7 @@ def test_a_greedy_verify_block_of_up_to_twelve_rows_is_sent_its_tokens(small):
     e = Engine(small, window=128, prefix_chunk=16)
     run_steps(e.generate_steps(torch.randint(0, small.vocab_size, (10,), generator=g).tolist(),
                                SamplingParams(max_tokens=1)))
-    for block in ([3, 4, 5], [6, 7, 8, 9, 10], list(range(11, 24))):
+    for block in ([3, 4, 5], [6, 7, 8, 9, 10], list(range(11, 43)), list(range(11, 44))):
         twin = fork(e, 128)
         full = twin.verify(block)
         out = fork(e, 128).verify(block, greedy=True)
