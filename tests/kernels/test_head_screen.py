@@ -382,6 +382,34 @@ def test_a_prefills_head_row_gives_its_logits_bits_and_its_greedy_token_without_
             assert torch.equal(st.sections[k], twin.sections[k])
 
 
+def test_a_head_rows_copies_take_its_screened_token_while_their_bits_are_its(small):
+    """Gate: identical greedy tokens. A HeadRow's copies (an anchor's buffer, a resume's
+    clone) share what the screen answered for the row: a copy with the very bits takes that
+    token without screening the head again; a copy whose buffer was written since (other
+    bits, a -0.0 for a 0.0 among them) screens its own, the argmax of its own logits."""
+    from tandem.models.base import HeadRow
+
+    _plan(small)
+    g = torch.Generator().manual_seed(33)
+    ids = torch.randint(0, small.vocab_size, (9,), generator=g)
+    head = small.forward(small.new_state(64), ids, 0, logits="row")
+    first = head.choose()
+    buffer = head.row.clone()
+    kept = head.with_row(buffer)
+    before = small.screen_counts["screened"]
+    assert kept.choose() == first and kept.clone().choose() == first
+    assert small.screen_counts["screened"] == before  # the screen was not read again
+    other = small.forward(small.new_state(64), ids.flip(0), 0, logits="row")
+    buffer.copy_(other.row)  # the buffer now holds another prompt's row
+    assert kept.choose().token == int(other.logits().numpy().argmax())
+    assert small.screen_counts["screened"] == before + 1
+    zero = HeadRow(torch.zeros_like(head.row), head._head, head._screen)
+    zero.choose()
+    signed = zero.with_row(torch.full_like(head.row, -0.0))
+    signed.choose()
+    assert small.screen_counts["screened"] == before + 3  # -0.0 is other bits than 0.0
+
+
 def test_greedy_generation_takes_its_first_token_from_the_screen_and_keeps_the_row(small):
     """A greedy-only generation's first token comes through the screen (the prefill's head is
     never read) and is the tokens without the screen; the prompt-end anchor keeps the row, K
