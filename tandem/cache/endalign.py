@@ -160,7 +160,12 @@ class _Streams:
     received them), built row by row as the record grows: ``raw`` the rows'
     own, ``shown`` each row's share of an incremental UTF-8 decoder's output (U+FFFD for what
     it could not decode, without the final flush), ``strict`` the strict decoder's state after
-    the rows (None once their bytes are not UTF-8), ``lenient`` the replacing one's."""
+    the rows (None once their bytes are not UTF-8), ``lenient`` the replacing one's.
+
+    ``shown`` covers the first ``shown_rows`` of ``ids`` (the rows so far) and is caught up
+    only when it is read: rows that are UTF-8 with every character whole read ``raw``, and
+    decoding each row's bytes again, one row at a time, was a third of a 16k-token record's
+    streams (which the loop builds when a new prompt is offered against a record)."""
 
     tb: TokenBytes
     cache: dict[int, bytes]
@@ -171,15 +176,22 @@ class _Streams:
     nonws: list[bytes] = field(default_factory=list)
     offsets: list[int] = field(default_factory=lambda: [0])
     data: bytes = b""
+    ids: list[int] = field(default_factory=list)
+    shown_rows: int = 0
 
     def copy(self) -> "_Streams":
         return _Streams(self.tb, self.cache, self.raw.copy(), self.shown.copy(), self.strict,
-                        self.lenient, self.nonws, self.offsets, self.data)
+                        self.lenient, self.nonws, self.offsets, self.data, list(self.ids),
+                        self.shown_rows)
 
     def grow(self, ids: Sequence[int]) -> None:
         """Rows ``ids`` after those in: the work is theirs alone, not the whole record's."""
-        raw = [self.tb(t) or b"" for t in ids]
-        self.raw.extend(_nonws_list(ids, self.cache, self.tb))
+        tb = self.tb
+        raw = [tb(t) or b"" for t in ids]
+        nonws = [b.translate(None, WHITESPACE) for b in raw]
+        self.cache.update(zip(ids, nonws))  # as _nonws_list keeps them, for the prompt's
+        self.ids.extend(ids)
+        self.raw.extend(nonws)
         if self.strict is not None:
             strict = _decoder(self.strict)
             try:
@@ -187,13 +199,15 @@ class _Streams:
                 self.strict = strict.getstate()
             except UnicodeDecodeError:
                 self.strict = None
-        lenient = _decoder(self.lenient, "replace")
-        self.shown.extend([lenient.decode(b).encode("utf-8").translate(None, WHITESPACE)
-                           for b in raw])
-        self.lenient = lenient.getstate()
         if self.strict is not None and not self.strict[0]:  # UTF-8, every character whole
             self.nonws, self.offsets, self.data = self.raw.nonws, self.raw.offsets, self.raw.data
             return
+        lenient = _decoder(self.lenient, "replace")
+        behind = self.ids[self.shown_rows:]
+        behind_raw = raw if len(behind) == len(raw) else [tb(t) or b"" for t in behind]
+        self.shown.extend([lenient.decode(b).encode("utf-8").translate(None, WHITESPACE)
+                           for b in behind_raw])
+        self.lenient, self.shown_rows = lenient.getstate(), len(self.ids)
         flush = lenient.decode(b"", final=True).encode("utf-8").translate(None, WHITESPACE)
         shown = self.shown
         if not flush or not shown.nonws:
