@@ -251,6 +251,12 @@ class _TiktokenBackend:
         # 34 MiB of Python objects at Qwen's 248k ranks: let it go.
         self._enc._mergeable_ranks = {}
         self._nfc = nfc
+        # One token's bytes, called once a row when the loop reads a record's byte streams
+        # (tandem/cache/endalign.py: 16k rows of a record at once): the Rust call itself
+        # rather than through Encoding's wrapper, where the wrapper only passes it on.
+        core = getattr(self._enc, "_core_bpe", None)
+        self._single = getattr(core, "decode_single_token_bytes",
+                               self._enc.decode_single_token_bytes)
 
     @property
     def n_vocab(self) -> int:
@@ -279,11 +285,14 @@ class _TiktokenBackend:
         return data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes | None:
-        return self._token_bytes(token_id) or b""
+        try:
+            return self._single(token_id)
+        except (KeyError, OverflowError, TypeError, ValueError):
+            return b""
 
     def _token_bytes(self, token_id: int) -> bytes | None:
         try:
-            return self._enc.decode_single_token_bytes(token_id)
+            return self._single(token_id)
         except (KeyError, OverflowError, TypeError, ValueError):
             return None
 
