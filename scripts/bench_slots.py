@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_slots.py [--long 16384] [--turns 8] [--system 3072]
                                             [--parallel 4] [--figures a,b,c] [--rounds 5]
+                                            [--llama] [--gguf PATH]
 
 (a) one long prompt, then a new conversation of ``--turns`` turns (each prompt the last plus
     its answer and a ~700-token message): the turns' tokens forwarded over the final
@@ -15,6 +16,10 @@
 (c) 4 conversations sent at once, each turn carrying the last answer: aggregate decode tokens/s
     over one stream's, the tokens each turn re-read and the last of the four first tokens
     (medians over ``--rounds`` rounds, each the one stream alone and then the four).
+
+With ``--llama``, (c) runs a third time against llama-server (``-np parallel``, its unified KV
+buffer) on the GGUF of the same weights that ../shared/peer builds, and prints the two side by
+side.
 
 Each figure is measured with ``parallel`` slots and with one, in the same run, each against a
 ``tandem serve`` of its own (a process apart from this client); prompts are text (random
@@ -40,6 +45,7 @@ from pathlib import Path
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
+PEER = Path(os.environ.get("TANDEM_PEER_CACHE") or Path.home() / ".cache" / "tandem-peer")
 sys.path.insert(0, str(ROOT))
 
 from tandem.models.tiny import ensure_tiny  # noqa: E402
@@ -51,12 +57,24 @@ def _words(seed: int, n: int) -> str:
 
 class Server:
     """``tandem serve`` in a process of its own (the client here shares no interpreter with
-    it: in one process the client's parsing took the engine's GIL time, a few ms a token)."""
+    it: in one process the client's parsing took the engine's GIL time, a few ms a token), or
+    with ``llama`` (llama-server's binary and the GGUF of the same weights) llama-server with
+    ``parallel`` slots (its unified KV buffer), as ../shared/peer/compare.py starts it."""
 
-    def __init__(self, model_dir: Path, parallel: int, window: int, home: str):
-        self.argv = [sys.executable, "-m", "tandem", "serve", "--model", str(model_dir),
-                     "--host", "127.0.0.1", "--parallel", str(parallel), "--window", str(window),
-                     "--no-store", "--no-suffix-store", "--log-level", "warning"]
+    def __init__(self, model_dir: Path, parallel: int, window: int, home: str,
+                 llama: tuple[str, Path] | None = None):
+        self.kind = "tandem" if llama is None else "llama"
+        if llama is None:
+            self.argv = [sys.executable, "-m", "tandem", "serve", "--model", str(model_dir),
+                         "--host", "127.0.0.1", "--parallel", str(parallel), "--window",
+                         str(window), "--no-store", "--no-suffix-store", "--log-level",
+                         "warning"]
+        else:
+            binary, gguf = llama
+            threads = str(min(os.cpu_count() or 1, 2))
+            self.argv = [binary, "-m", str(gguf), "--host", "127.0.0.1", "-t", threads, "-tb",
+                         threads, "-c", str(window * parallel), "-np", str(parallel), "--jinja",
+                         "--no-warmup"]
         self.home = home
 
     async def __aenter__(self):
@@ -66,11 +84,20 @@ class Server:
         self.proc = subprocess.Popen(self.argv + ["--port", str(self.port)], cwd=ROOT,
                                      env=dict(os.environ, TANDEM_HOME=self.home),
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
+        # llama-server (cpp-httplib) closes a kept-alive connection after a few requests, and a
+        # request sent on one it just closed fails: a connection a request there
+        self.http = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=3600),
+            connector=aiohttp.TCPConnector(force_close=self.kind == "llama"))
         for _ in range(1200):
             if self.proc.poll() is not None:
-                raise RuntimeError(f"tandem serve exited ({self.proc.returncode})")
+                raise RuntimeError(f"{self.kind} exited ({self.proc.returncode})")
             try:
+                if self.kind == "llama":  # its /v1/models answers while the model loads
+                    async with self.http.get(f"http://127.0.0.1:{self.port}/health") as r:
+                        if r.status != 200:
+                            await asyncio.sleep(0.25)
+                            continue
                 async with self.http.get(f"http://127.0.0.1:{self.port}/v1/models") as r:
                     if r.status == 200:
                         self.model = (await r.json())["data"][0]["id"]
@@ -78,7 +105,7 @@ class Server:
             except aiohttp.ClientError:
                 pass
             await asyncio.sleep(0.25)
-        raise RuntimeError("tandem serve did not answer")
+        raise RuntimeError(f"{self.kind} did not answer")
 
     async def __aexit__(self, *exc):
         await self.http.close()
@@ -90,7 +117,7 @@ class Server:
                 "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         ttft = None
-        text, usage = [], None
+        text, usage, timings = [], None, {}
         async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions",
                                   json=body) as resp:
             assert resp.status == 200, await resp.text()
@@ -99,14 +126,23 @@ class Server:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 doc = json.loads(line[6:])
-                if doc.get("choices"):
+                choice = (doc.get("choices") or [None])[0]
+                piece = (choice or {}).get("text", "")
+                # the first token's event (llama-server's last one carries no text, only its
+                # finish_reason)
+                if choice is not None and (piece or choice.get("finish_reason") is None):
                     if ttft is None:
                         ttft = (time.perf_counter() - t0) * 1000
-                    text.append(doc["choices"][0].get("text", ""))
+                    text.append(piece)
                 if doc.get("usage"):
                     usage = doc["usage"]
+                timings = doc.get("timings") or timings
         end = (time.perf_counter() - t0) * 1000
-        return {"text": "".join(text), "usage": usage, "ttft_ms": ttft, "total_ms": end}
+        # Prompt tokens the server ran: tandem's usage says so, llama-server's timings
+        reread = (usage["tandem"]["cache"]["reread"] if "tandem" in usage
+                  else timings.get("prompt_n"))
+        return {"text": "".join(text), "usage": usage, "ttft_ms": ttft, "total_ms": end,
+                "reread": reread}
 
 
 async def figure_a(server: Server, long: int, turns: int) -> dict:
@@ -115,7 +151,7 @@ async def figure_a(server: Server, long: int, turns: int) -> dict:
     forwarded, ttft, distinct, decoded = 0, 0.0, 0, 0
     for turn in range(turns):
         r = await server.complete(prompt, 16)
-        forwarded += r["usage"]["tandem"]["cache"]["reread"]
+        forwarded += r["reread"]
         ttft += r["ttft_ms"]
         distinct = r["usage"]["prompt_tokens"]
         if turn < turns - 1:  # this answer is in the final conversation
@@ -136,7 +172,7 @@ async def figure_b(server: Server, system: int) -> dict:
     for i, name in enumerate("ABABAB"):
         r = await server.complete(texts[name], 8)
         if i >= 2:
-            reread.append(r["usage"]["tandem"]["cache"]["reread"])
+            reread.append(r["reread"])
         texts[name] += r["text"] + " Next: " + _words(i, 40)
     return {"reread_per_return": sum(reread) / len(reread)}
 
@@ -171,7 +207,7 @@ async def figure_c(server: Server, rounds: int) -> dict:
         singles.append(single)
         aggregates.append(aggregate)
         ratios.append(aggregate / single)
-        reread.append(sum(run["usage"]["tandem"]["cache"]["reread"] for run in runs) / 4)
+        reread.append(sum(run["reread"] for run in runs) / 4)
         last_ttft.append(max(run["ttft_ms"] for run in runs))
     return {"single_tok_s": statistics.median(singles),
             "aggregate_tok_s": statistics.median(aggregates),
@@ -208,6 +244,26 @@ async def main_async(args) -> None:
     for k in keys:
         if one[k]:
             print(f"{k}: {p} slots / 1 = {slots[k] / one[k]:.3f}")
+    if "c" in figures and args.llama:
+        binary = os.environ.get("LLAMA_SERVER") or str(PEER / "llama.cpp/build/bin/llama-server")
+        gguf = Path(args.gguf or PEER / "models" / f"{model_dir.name}-f32.gguf")
+        if not (os.access(binary, os.X_OK) and gguf.is_file()):
+            print(f"\n(c) against llama-server: skipped, no {binary} or no {gguf} "
+                  "(../shared/peer/README.md says how to build them)")
+            return
+        with tempfile.TemporaryDirectory() as home:
+            async with Server(model_dir, args.parallel, args.window, home,
+                              llama=(binary, gguf)) as server:
+                theirs = await figure_c(server, args.rounds)
+        print(f"\n(c) side by side, {args.parallel} slots each: tandem against llama-server "
+              f"(-np {args.parallel}, unified KV) on {gguf.name}\n")
+        print("| figure | tandem | llama-server | ratio |\n|---|---:|---:|---:|")
+        for k, v in theirs.items():
+            ours = slots[k]
+            # higher is better for rates and their ratio, lower for re-reads and waits
+            ratio = (ours / v if k.endswith(("tok_s", "single")) else v / ours) if v and ours \
+                else float("nan")
+            print(f"| {k} | {ours:.3f} | {v:.3f} | {ratio:.2f}x |")
 
 
 def main() -> None:
@@ -219,6 +275,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32768)
     ap.add_argument("--figures", default="a,b,c")
     ap.add_argument("--rounds", type=int, default=5, help="(c)'s rounds, their medians printed")
+    ap.add_argument("--llama", action="store_true",
+                    help="(c) against llama-server too (../shared/peer's build and GGUF)")
+    ap.add_argument("--gguf", help="the GGUF of tiny (default: the peer kit's)")
     args = ap.parse_args()
     asyncio.run(main_async(args))
 
