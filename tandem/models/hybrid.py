@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import structlog
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,10 @@ SUPPORTED = ("qwen3_5", "qwen3_5_text", "qwen3_next", "qwen3_5_moe", "qwen3_5_mo
 LOGITS_SLICE = 64  # positions a slice of forward's on_logits holds
 
 log = structlog.get_logger()
+# The native step's rotary rows come from blocks of this many positions (_native_rope), at
+# most this many blocks kept (a block is 2 x ROPE_BLOCK x rotary_dim floats: 128 KiB at 64).
+ROPE_BLOCK = 256
+ROPE_BLOCKS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -949,7 +954,8 @@ class HybridModel:
             # an id out of range, where indexing would take a negative one from the end
             f = self._embed_file()
             row = f.gather(torch.tensor(token_ids[:1])) if f is not None else None
-            x = (embed[token_ids[0]] if row is None else row[0]).expand(block, -1)
+            x = (embed[token_ids[0]].expand(block, -1) if row is None
+                 else row if block == 1 else row[0].expand(block, -1))
         else:
             ids = token_ids if n >= block else token_ids * block
             x = self._embedding(torch.tensor(ids, dtype=torch.long, device=self.device))
@@ -958,9 +964,9 @@ class HybridModel:
         step = self._native_step()
         if step is not None and x.shape[0] == n and x.stride(1) == 1 and step.fits(states):
             # every layer and the head in one native call: the layer path's kernels, its bits
-            cos, sin = self._step_rope(turns, n, n)
+            cos, sin = self._native_rope(turns)
             out = self._screened(step, choose, lambda rows: step(
-                x, states, positions, cos.contiguous(), sin.contiguous(), rows))
+                x, states, positions, cos, sin, rows))
             return out if choose is None or isinstance(out, list) else list(out)
         # every sequence's sections and rows by layer slot, viewed once a step
         tails = [s.sections["gdn.conv"].unbind(0) for s in states]
@@ -1027,10 +1033,10 @@ class HybridModel:
         if step is not None and x.stride(1) == 1 and step.fits(states):
             # every layer and the head in one native call, the GDN middle in the waves the
             # layer path runs: its kernels in its order, its bits (decode rows and verify rows)
-            cos, sin = self._step_rope(turns, len(ids), len(ids))
+            cos, sin = self._native_rope(turns)
             wanted = None if choose is None else [c for c, b in zip(choose, blocks) for _ in b]
             rows = self._screened(step, wanted, lambda want: step.ragged(
-                x, states, ragged, at, cos.contiguous(), sin.contiguous(), want))
+                x, states, ragged, at, cos, sin, want))
             first = 0
             for b, block in enumerate(blocks):
                 logits[b] = rows[first:first + len(block)]
@@ -1111,6 +1117,31 @@ class HybridModel:
                        else each_row(F.silu, gate) * up)
                 out = self._linear(act, p + "mlp.down_proj.weight")
         return x + out
+
+    def _native_rope(self, turns: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_step_rope(turns, n, n)`` for the native step (fp32 on the CPU), contiguous: each
+        row taken from blocks of ROPE_BLOCK positions that _step_rope computed (each_row gives
+        every row its bits alone, so a row is the same bits in a block as in a step), with
+        numpy. A step's rotary rows cost some ten torch calls, each of which lets go of the GIL
+        (ATen's bindings do): the event loop, woken by the last step's tokens, took it there
+        and the step waited for it before its native call, where it would have run beside."""
+        blocks = self.__dict__.setdefault("_rope_blocks", {})
+        parts = []
+        for t in turns:
+            b = t // ROPE_BLOCK
+            block = blocks.get(b)
+            if block is None:
+                if len(blocks) >= ROPE_BLOCKS_KEPT:
+                    blocks.pop(next(iter(blocks)))  # the oldest computed
+                cos, sin = self._step_rope(list(range(b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK)),
+                                           ROPE_BLOCK, ROPE_BLOCK)
+                block = blocks[b] = (cos.contiguous().numpy(), sin.contiguous().numpy())
+            parts.append((block, t - b * ROPE_BLOCK))
+        if len(parts) == 1:
+            (cos, sin), i = parts[0]
+            return torch.from_numpy(cos[i:i + 1]), torch.from_numpy(sin[i:i + 1])
+        return (torch.from_numpy(np.stack([blk[0][i] for blk, i in parts])),
+                torch.from_numpy(np.stack([blk[1][i] for blk, i in parts])))
 
     def _step_rope(self, turns, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's rotary cos and sin [rows, rd], row r's at ``turns[r]`` (a pad row past n

@@ -243,3 +243,22 @@ def test_a_ragged_step_of_decodes_and_verify_blocks_is_the_layer_paths_bits(mode
         if v:  # a verify block leaves its sequence's sections as they were
             for name in s.sections:
                 assert torch.equal(after.sections[name], s.sections[name]), name
+
+
+def test_the_native_steps_rotary_rows_are_step_ropes_bits_from_any_block(small, monkeypatch):
+    """Gate: torch.equal. The native step's cos and sin rows come from blocks of ROPE_BLOCK
+    positions (HybridModel._native_rope): each row is the bits _step_rope gives it in the
+    step's own rows, for one row and for a batch across blocks, at block edges, far out, and
+    after older blocks were let go."""
+    from tandem.models import hybrid
+
+    monkeypatch.setattr(hybrid, "ROPE_BLOCKS_KEPT", 2)
+    small.__dict__.pop("_rope_blocks", None)
+    b = hybrid.ROPE_BLOCK
+    for turns in ([0], [b - 1], [b], [5, b - 1, b, 3 * b + 7], [40000], [7, 7], [2 * b + 1]):
+        want = small._step_rope(turns, len(turns), len(turns))
+        got = small._native_rope(turns)
+        for w, g in zip(want, got):
+            assert g.is_contiguous() and g.dtype == torch.float32
+            assert torch.equal(g, w.contiguous()), turns
+    assert len(small._rope_blocks) <= 2
