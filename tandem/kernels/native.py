@@ -234,6 +234,25 @@ def function(name: str):
 _FUNCTIONS: dict[str, object] = {}
 
 
+def held(name: str):
+    """``function(name)`` called without letting go of the GIL (the library through
+    ctypes.PyDLL), for a call of microseconds between two decode steps: a ctypes call lets go
+    of it, and the event loop, woken by the last step's tokens, then held it until it blocked
+    again, while the step waited for it before its native call."""
+    fn = _HELD.get(name)
+    if fn is None:
+        lib = _load()
+        if lib is None:
+            raise RuntimeError("the native kernels are not available (check available() first)")
+        fn = getattr(ctypes.PyDLL(lib._name), name)
+        fn.argtypes, fn.restype = SIGNATURES[name], RESTYPES.get(name)
+        _HELD[name] = fn
+    return fn
+
+
+_HELD: dict[str, object] = {}
+
+
 def rows_fit(*xs: torch.Tensor) -> bool:
     """Whether fp32 CPU rows [R, D] (each row contiguous) are the row ops' (csrc/norms.c)."""
     return all(x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2

@@ -169,13 +169,16 @@ class RowsFile:
     def gather(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Rows ``ids`` (int64) [n, K] by pread (csrc/rows.c's tandem_gather_rows_fd); None
         where an id is not a row or a read fell short."""
-        from tandem.kernels.native import function
+        from tandem.kernels.native import function, held
 
-        ids = ids.to(torch.long).contiguous()
-        out = torch.empty(ids.numel(), self.row_bytes // 4, dtype=torch.float32)
-        if function("tandem_gather_rows_fd")(self.fd, self.offset, self.row_bytes, self.rows,
-                                              ids.data_ptr(), ids.numel(), out.data_ptr(),
-                                              torch.get_num_threads()) != 0:
+        if ids.dtype != torch.long or not ids.is_contiguous():
+            ids = ids.to(torch.long).contiguous()
+        n = ids.numel()
+        out = torch.empty(n, self.row_bytes // 4, dtype=torch.float32)
+        # a decode step's few rows (microseconds) keep the GIL; a prompt's let go of it
+        fn = (held if n <= HELD_ROWS else function)("tandem_gather_rows_fd")
+        if fn(self.fd, self.offset, self.row_bytes, self.rows, ids.data_ptr(), n,
+              out.data_ptr(), torch.get_num_threads()) != 0:
             return None
         return out
 
@@ -189,6 +192,9 @@ def _up(v: np.ndarray) -> torch.Tensor:
     r32 = np.where(r32.astype(np.float64) < v, np.nextafter(r32, np.float32(np.inf)), r32)
     return torch.from_numpy(r32.astype(np.float32))
 
+
+# Rows a gather reads keeping the GIL (RowsFile.gather): a decode step's, not a prompt's.
+HELD_ROWS = 64
 
 # Rows of the head one read of its file takes while the screen is built from the file.
 BUILD_CHUNK_BYTES = 2 << 20
