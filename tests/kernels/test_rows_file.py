@@ -101,6 +101,9 @@ def test_the_embedding_read_from_the_file_is_f_embedding(small):
     ids[0, 0], ids[1, 1] = 0, table.shape[0] - 1
     assert torch.equal(small._embedding(ids), F.embedding(ids, table))
     assert torch.equal(small._embedding(ids[0].to(torch.int32)), F.embedding(ids[0], table))
+    few = ids[1, :5]  # a decode step's few rows: the call that keeps the GIL (HELD_ROWS)
+    assert few.numel() <= screen.HELD_ROWS < ids.numel()
+    assert torch.equal(small._embedding(few), F.embedding(few, table))
     for bad in (-1, table.shape[0]):
         with pytest.raises(IndexError):
             small._embedding(torch.tensor([1, bad]))
