@@ -229,7 +229,7 @@ def build(weight: torch.Tensor, file: RowsFile | None = None) -> HeadScreen:
 
     if file is not None and (file.rows, file.row_bytes) != (n, 4 * k):
         raise ValueError("the rows' file is not this head's")
-    chunk = max(1, BUILD_CHUNK_BYTES // (4 * k * BLOCK)) * BLOCK  # whole blocks a thread
+    chunk = max(1, BUILD_CHUNK_BYTES // (4 * k * BLOCK)) * BLOCK  # whole blocks a read
     buf = np.empty(min(chunk, n) * k, dtype=np.float32) if file is not None else None
     for lo in range(0, n, chunk):
         hi = min(n, lo + chunk)

@@ -13,7 +13,6 @@
 #include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "kernels.h"
 #include "simd16.h"
@@ -353,8 +352,8 @@ static const float *head_row(const float *W, long K, long j, const struct head_f
 }
 
 /* One input's pass 2 over rows [n0, n1): the rows whose upper bound reaches M computed
-   exactly, the first index of their largest (its value in *top) or of their first NaN
-   (*nan_seen 1); -1 where none is computed. */
+   exactly (count), and best, the first index of their largest (its value top) or of their
+   first NaN (nan_seen 1); best -1 where none is computed. */
 struct picked { long best, count; float top; int nan_seen; };
 
 static struct picked pick(const float *x, long K, const float *W, long n0, long n1,
