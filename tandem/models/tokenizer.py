@@ -285,10 +285,7 @@ class _TiktokenBackend:
         return data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes | None:
-        try:
-            return self._single(token_id)
-        except (KeyError, OverflowError, TypeError, ValueError):
-            return b""
+        return self._token_bytes(token_id) or b""
 
     def _token_bytes(self, token_id: int) -> bytes | None:
         try:
