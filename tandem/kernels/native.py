@@ -241,10 +241,8 @@ def held(name: str):
     again, while the step waited for it before its native call."""
     fn = _HELD.get(name)
     if fn is None:
-        lib = _load()
-        if lib is None:
-            raise RuntimeError("the native kernels are not available (check available() first)")
-        fn = getattr(ctypes.PyDLL(lib._name), name)
+        function(name)  # the library loaded (built first), or the error that it is not
+        fn = getattr(ctypes.PyDLL(_lib._name), name)
         fn.argtypes, fn.restype = SIGNATURES[name], RESTYPES.get(name)
         _HELD[name] = fn
     return fn
