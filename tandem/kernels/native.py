@@ -45,6 +45,7 @@ import torch
 log = structlog.get_logger(__name__)
 
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.c"))  # one library of them all
+TOKENIZER_SOURCES = ("bpe.c",)  # in the library, but no kernel: not in digest()
 # -ffp-contract=off: no a * b + c in the C fused by the compiler (only the kernels' own FMAs),
 # so that the two builds' scalar code rounds alike too.
 COMMON = ("-O3", "-mfma", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
@@ -112,9 +113,10 @@ def _build(cc: str) -> Path:
     raise OSError("no writable directory for the native kernel")
 
 
-def _sources_bytes() -> bytes:
+def _sources_bytes(leave_out: tuple[str, ...] = ()) -> bytes:
     headers = sorted(SOURCES[0].parent.glob("*.h")) if SOURCES else []
-    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES + headers)
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES + headers
+                    if p.name not in leave_out)
 
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
@@ -146,7 +148,13 @@ SIGNATURES["tandem_head_argmax_rows_f32"] = [_P, _L, _L, _P, _L, _P, _P, _P, _P,
 # range, a short read)
 SIGNATURES["tandem_gather_rows_fd"] = [_I, _L, _L, _L, _P, _L, _P, _I]
 SIGNATURES["tandem_head_screen_rows_f32"] = [_P, _L, _L, _P, _P, _P, _P, _P, _P, _L, _I]
-RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I, "tandem_gather_rows_fd": _L}  # the rest return void
+# csrc/bpe.c: Qwen's byte-level BPE in a few megabytes (tandem/models/bpe.py)
+SIGNATURES["tandem_bpe_index"] = [_P, _P, _P, _L, _P, _L]
+SIGNATURES["tandem_bpe_encode"] = [_P, _P, _L, _P]
+SIGNATURES["tandem_bpe_decode"] = [_P, _P, _P, _L, _P]
+RESTYPES = {"tandem_step_f32": _I, "tandem_gdn_prefill_f32": _I, "tandem_gather_rows_fd": _L,
+            "tandem_bpe_index": _L, "tandem_bpe_encode": _L, "tandem_bpe_decode": _L}
+# the rest return void
 
 
 def _load() -> ctypes.CDLL | None:
@@ -189,9 +197,10 @@ def _load() -> ctypes.CDLL | None:
 
 
 def digest() -> str:
-    """The kernel's source hash: what a saved state decoded by it names (a model's manifest)."""
+    """The kernel's source hash: what a saved state decoded by it names (a model's manifest).
+    The tokenizer's source (bpe.c) computes no state, so it is not in it."""
     simd = (flavor() or "").encode()  # the builds' scalar code may round otherwise
-    return "native:" + hashlib.sha256(_sources_bytes() + simd).hexdigest()[:16]
+    return "native:" + hashlib.sha256(_sources_bytes(TOKENIZER_SOURCES) + simd).hexdigest()[:16]
 
 
 def available() -> bool:

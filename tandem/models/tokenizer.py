@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import codecs
 import hashlib
+import io
 import json
 import os
 import re
@@ -36,6 +37,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
+
+from tandem.models import bpe
 from tandem.models.base import ModelError
 
 IM_START = "<|im_start|>"
@@ -239,28 +243,20 @@ def _whitespace_parts(text: str) -> list[str]:
 
 
 class _TiktokenBackend:
-    def __init__(self, ranks: dict[bytes, int], specials: dict[str, int], pat_str: str,
-                 nfc: bool, control: tuple[str, ...]) -> None:
-        import tiktoken
+    """A tiktoken-format vocabulary: ``bpe.CompactBpe`` where its ids are tiktoken's by
+    construction (Qwen's pre-tokenizer, the native library), else tiktoken itself."""
 
+    def __init__(self, ranks: bpe.Ranks, specials: dict[str, int], pat_str: str,
+                 nfc: bool, control: tuple[str, ...]) -> None:
         self._markup = frozenset(specials) - frozenset(control)
-        self._enc = tiktoken.Encoding("tandem", pat_str=pat_str, mergeable_ranks=ranks,
-                                      special_tokens=specials)
-        # The Encoding keeps the ranks dict only to pickle itself (tiktoken 0.14's core.py; its
-        # Rust CoreBPE holds its own copy). Nothing here pickles a tokenizer, and the dict is
-        # 34 MiB of Python objects at Qwen's 248k ranks: let it go.
-        self._enc._mergeable_ranks = {}
+        self._all = frozenset(specials)
+        self._bpe = bpe.CompactBpe.build(ranks, specials, pat_str) \
+            or bpe.TiktokenBpe(ranks, specials, pat_str)
         self._nfc = nfc
-        # One token's bytes, called once a row when the loop reads a record's byte streams
-        # (tandem/cache/endalign.py: 16k rows of a record at once): the Rust call itself
-        # rather than through Encoding's wrapper, where the wrapper only passes it on.
-        core = getattr(self._enc, "_core_bpe", None)
-        self._single = getattr(core, "decode_single_token_bytes",
-                               self._enc.decode_single_token_bytes)
 
     @property
     def n_vocab(self) -> int:
-        return self._enc.n_vocab
+        return self._bpe.n_vocab
 
     def normalize(self, text: str) -> str:
         if self._nfc and not unicodedata.is_normalized("NFC", text):
@@ -270,28 +266,23 @@ class _TiktokenBackend:
     def encode(self, text: str, allow_special: bool) -> list[int]:
         text = self.normalize(text)
         if allow_special:
-            return self._enc.encode(text, allowed_special="all")
-        return self._enc.encode_ordinary(text)
+            return self._bpe.encode(text, self._all)
+        return self._bpe.encode_ordinary(text)
 
     def encode_text(self, text: str) -> list[int]:
-        return self._enc.encode(self.normalize(text), allowed_special=self._markup,
-                                disallowed_special=())
+        return self._bpe.encode(self.normalize(text), self._markup)
 
     def decode(self, ids: list[int]) -> str:
-        try:  # one call into tiktoken's own id -> bytes table (no copy of it here)
-            data = self._enc.decode_bytes(ids)
-        except (KeyError, OverflowError, TypeError, ValueError):  # an id with no token
+        data = self._bpe.decode_bytes(ids)  # one call for them all
+        if data is None:  # an id with no token
             data = b"".join(self.token_bytes(i) for i in ids)
         return data.decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes | None:
-        return self._token_bytes(token_id) or b""
+        return self._bpe.token_bytes(token_id) or b""
 
     def _token_bytes(self, token_id: int) -> bytes | None:
-        try:
-            return self._single(token_id)
-        except (KeyError, OverflowError, TypeError, ValueError):
-            return None
+        return self._bpe.token_bytes(token_id)
 
     def piece(self, token_id: int) -> str | None:
         data = self._token_bytes(token_id)
@@ -450,18 +441,13 @@ def _added_tokens(path: Path, config: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def _read_ranks(path: Path) -> tuple[dict[bytes, int], bytes]:
+def _read_ranks(path: Path) -> tuple[bpe.Ranks, bytes]:
     raw = path.read_bytes()
-    ranks: dict[bytes, int] = {}
-    for n, line in enumerate(raw.splitlines(), 1):
-        if not line:
-            continue
-        try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-        except ValueError:
-            raise ModelError(f"{path}:{n}: expected 'base64-token rank'") from None
-    return ranks, raw
+    try:
+        # line by line from a stream: a list of the 248k lines would be 17 MiB at once
+        return bpe.Ranks.parse(io.BytesIO(raw), base64.b64decode), raw
+    except ValueError as exc:
+        raise ModelError(f"{path}:{exc.args[0]}: expected 'base64-token rank'") from None
 
 
 def _load_tiktoken(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
@@ -474,7 +460,8 @@ def _load_tiktoken(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
         raise ModelError(f"{config_path} has no pat_str (the tiktoken pre-tokenizer regex)")
     specials = _added_tokens(config_path, config)
     ranks, raw = _read_ranks(model_dir / TIKTOKEN_FILE)
-    clash = set(specials.values()) & set(ranks.values())
+    clash = set(specials.values()) & set(ranks.ids[np.isin(ranks.ids, list(specials.values()))]
+                                         .tolist())
     if clash:
         raise ModelError(f"{config_path}: added token ids {sorted(clash)[:5]} are also BPE ranks")
     nfc = config.get("normalizer") == "NFC"
