@@ -140,7 +140,7 @@ SIGNATURES.update({
 })
 # csrc/step.c: a whole decode step (step.NativeStep); it returns 0, or -1 where it could not
 # allocate its buffers (decodes, and verify blocks with their GDN middle in waves)
-SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _I]
+SIGNATURES["tandem_step_f32"] = [_P, _L, _P, _L, _P, _P, _P, _P, _L, _P, _P, _P, _P, _I, _P]
 # csrc/rows.c: greedy's token from the head's screen (screen.py); -1 where it gets the full head
 SIGNATURES["tandem_head_argmax_rows_f32"] = [_P, _L, _L, _P, _L, _P, _P, _P, _P, _F, _P, _P, _P,
                                               _P, _I, _P]

@@ -207,7 +207,8 @@ class NativeStep:
         return self._run(x, seqs, positions, [], cos, sin, choose)
 
     def ragged(self, x: torch.Tensor, states, ragged, positions: list[int], cos: torch.Tensor,
-               sin: torch.Tensor, choose: list[bool] | None = None
+               sin: torch.Tensor, choose: list[bool | None] | None = None,
+               h_out: torch.Tensor | None = None
                ) -> torch.Tensor | tuple[torch.Tensor, list[int]]:
         """A ragged step's logits [R, vocab] fp32 (HybridModel.forward_ragged): row r of
         ``ragged.rows`` (sequence b, its row t) at ``positions[r]``; a decode row advances its
@@ -216,7 +217,9 @@ class NativeStep:
         as they were; every row's key and value rows written. The GDN middle runs in
         ``ragged.waves`` as the layer path's run_native does; ``fits`` first, for the states
         and the work copies alike. ``choose`` as ``__call__``'s, a row of ``ragged.rows``
-        each."""
+        each, and None there: that row gets no head at all (its logits row left as it was, its
+        token -3). ``h_out`` [R, D] fp32 contiguous: every row's final normed hidden row, what
+        the head reads."""
         seqs = []
         for b, t in ragged.rows:
             s, work = states[b], ragged.work[b]
@@ -230,11 +233,11 @@ class NativeStep:
                              work[name][t].data_ptr())
             seqs += (*ends, *_kv(s))
         return self._run(x, seqs, positions, [wave for wave, _ in ragged.waves], cos, sin,
-                         choose)
+                         choose, h_out)
 
     def _run(self, x: torch.Tensor, seqs: list[int], positions: list[int],
              waves: list[list[int]], cos: torch.Tensor, sin: torch.Tensor,
-             choose: list[bool] | None = None
+             choose: list[bool | None] | None = None, h_out: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, list[int]]:
         """tandem_step_f32 over rows ``seqs`` (8 addresses and strides a row, step.c), the GDN
         middle wave by wave (no waves: one call over every row); with ``choose``, also the
@@ -245,12 +248,16 @@ class NativeStep:
         for wave in waves:
             at.append(at[-1] + len(wave))
         logits = torch.empty(rows, self.vocab, dtype=torch.float32)
-        tokens = None if choose is None else (_L * rows)(*(-2 if c else -1 for c in choose))
+        tokens = None if choose is None else (_L * rows)(
+            *(-3 if c is None else -2 if c else -1 for c in choose))
+        if h_out is not None and not (h_out.dtype == torch.float32 and h_out.is_contiguous()
+                                      and tuple(h_out.shape) == (rows, x.shape[1])):
+            raise ValueError("h_out must be [rows, D] fp32 contiguous")
         status = native_function("tandem_step_f32")(
             self._ref, rows, x.data_ptr(), x.stride(0), (_L * len(seqs))(*seqs),
             (_L * rows)(*positions), (_L * len(order))(*order), (_L * len(at))(*at),
             len(waves), cos.data_ptr(), sin.data_ptr(), logits.data_ptr(), tokens,
-            torch.get_num_threads())
+            torch.get_num_threads(), None if h_out is None else h_out.data_ptr())
         if status != 0:
             raise MemoryError("the native step could not allocate its buffers")
         return logits if tokens is None else (logits, list(tokens))

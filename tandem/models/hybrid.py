@@ -1161,6 +1161,33 @@ class HybridModel:
         half = self.config.rotary_dim // 2
         return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
 
+    def forward_tail(self, state: ModelState, token_ids: list[int], start: int,
+                     rope_offset: int = 0) -> HeadRow | None:
+        """A short prefill past the rows in place, run as decode runs its tokens: ``token_ids``
+        at positions ``start...`` in one native step, row j's conv and recurrent step on the
+        sections as row j - 1 left them (in place, wave by wave), its attention over the rows
+        up to itself. The rows and sections are therefore the bits that decoding those tokens
+        one by one writes (tests/models/test_forward_tail.py), which is the greedy gate's
+        arithmetic: the engine takes this path only where the rows it resumed on are held to
+        that gate already (Engine.prefill_steps). Returns the last position's `HeadRow` (no
+        row gets a head here: the greedy token is screened when read, as a prefill's), or None
+        where the native step does not run this model or state (nothing is then written)."""
+        step = self._native_step()
+        if step is None or not token_ids or (self.graphs is not None and self.graphs.takes(self)):
+            return None
+        if not step.fits([state]):
+            return None
+        n = len(token_ids)
+        x = self._embedding(torch.tensor(token_ids, dtype=torch.long, device=self.device))
+        if x.stride(1) != 1:
+            return None
+        ragged = _Ragged([state], [list(token_ids)], [False], self.device)
+        at = [start + j for j in range(n)]
+        cos, sin = self._native_rope([p + rope_offset for p in at])
+        h = torch.empty(n, x.shape[1], dtype=torch.float32)
+        step.ragged(x, [state], ragged, at, cos, sin, [None] * n, h_out=h)
+        return HeadRow(h[-1:].clone(), lambda row: self._prefill_head(row)[0], self._screen_row)
+
     def _native_step(self) -> "native_step.NativeStep | None":
         """The whole decode step as one native call (tandem.kernels.step), where this model's
         decode is all the native kernels' (None elsewhere, or with the step turned off)."""

@@ -9,6 +9,7 @@
    which on `tiny` (whose layers read 17 MB beside a 254 MB head) cost more than the layers'
    arithmetic. Nothing here is compiled with -ffast-math. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -68,20 +69,24 @@ static int screened(const struct step_model *M, const long *choose, long r) {
   return choose != NULL && M->head_q != NULL && choose[r] == -2;
 }
 
+/* choose[r] == -3: row r wants no head at all (a short prefill's rows before its last) */
+static int headless(const long *choose, long r) { return choose != NULL && choose[r] == -3; }
+
 /* The head over rows h [R, D]: logits [R, vocab], or where ``choose`` asks (choose[r] == -2)
    row r's greedy token alone, from the screen (tandem_head_argmax_rows_f32, up to 4 rows a
    call reading the screen once), written to choose[r] in place of its logits row (left
    unwritten); -1 there: its logits were written after all (an input the screen does not
-   take). Rows that want logits go through tandem_rows_f32 in runs, their bits a function of
-   their own input alone as ever. approx: 4 vocab floats of scratch where a row is screened. */
+   take); choose[r] == -3: neither (left as it is). Rows that want logits go through
+   tandem_rows_f32 in runs, their bits a function of their own input alone as ever. approx: 4
+   vocab floats of scratch where a row is screened. */
 static void head(const struct step_model *M, const float *h, long R, float *logits, long *choose,
                  float *approx, int threads) {
   const long D = M->D, V = M->vocab;
   long r = 0;
   while (r < R) {  /* the rows that want logits, in runs */
-    if (screened(M, choose, r)) { r++; continue; }
+    if (screened(M, choose, r) || headless(choose, r)) { r++; continue; }
     long r1 = r + 1;
-    while (r1 < R && !screened(M, choose, r1)) r1++;
+    while (r1 < R && !screened(M, choose, r1) && !headless(choose, r1)) r1++;
     tandem_rows_f32(h + r * D, D, r1 - r, M->head, V, D, logits + r * V, V, threads);
     for (long k = r; k < r1; k++) if (choose != NULL) choose[k] = -1;
     r = r1;
@@ -117,12 +122,13 @@ static void head(const struct step_model *M, const float *h, long R, float *logi
    wave_rows[wave_at[w] .. wave_at[w + 1]), every block's row w, so that its row t runs after
    row t - 1 (waves 0: one call over every row, as a decode step). cos, sin [R, rd] (sin's
    first half negated). logits [R, vocab], choose as head()'s (NULL: every row's logits).
-   Returns 0, or -1 where a buffer could not be allocated (nothing is then written: the
+   h_out (NULL: not written): every row's final normed hidden row [R, D], the rows the head
+   reads. Returns 0, or -1 where a buffer could not be allocated (nothing is then written: the
    allocations come first). */
 int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx,
                     const long *seqs, const long *at, const long *wave_rows,
                     const long *wave_at, long waves, const float *cos, const float *sin,
-                    float *logits, long *choose, int threads) {
+                    float *logits, long *choose, int threads, float *h_out) {
   const long D = M->D;
   long top = 0;
   for (long r = 0; r < R; r++) top = at[r] > top ? at[r] : top;
@@ -191,6 +197,7 @@ int tandem_step_f32(const struct step_model *M, long R, const float *x, long ldx
   } else {
     tandem_add_rms_rows_f32(xr, ldr, o, D, R, D, M->final_norm, M->eps, resid, h);
   }
+  if (h_out != NULL) memcpy(h_out, h, (size_t)R * D * sizeof(float));
   head(M, h, R, logits, choose, approx, threads);
   free(buf); free(ptrs); free(kbufs); free(approx);
   return 0;
