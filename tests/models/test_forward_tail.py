@@ -13,25 +13,21 @@ import torch
 from small_hybrid import make_small_hybrid
 import tandem.engine as engine_mod
 from tandem.engine import Engine, SamplingParams, run_steps
-from tandem.kernels import native, step as native_step
+from tandem.kernels import native
 from tandem.models.base import HeadRow, ModelState, View
 from tandem.models.hybrid import HybridModel
 
-pytestmark = pytest.mark.skipif(not native.available(),
-                                reason="the native kernel does not build on this machine")
+# decode on the native kernels (conftest's native_on), where the library builds
+pytestmark = [pytest.mark.skipif(not native.available(), reason="no native library here"),
+              pytest.mark.usefixtures("native_on")]
 
 WINDOW = 512
 
 
-@pytest.fixture(autouse=True)
-def _native(native_on):
-    yield
-    native_step.set_enabled(True)
-
-
 @pytest.fixture(scope="module")
 def small(tmp_path_factory) -> HybridModel:
-    return HybridModel.load(make_small_hybrid(tmp_path_factory.mktemp("small"), tokenizer=False))
+    """The small hybrid with long recurrent memory, its tokenizer left out."""
+    return HybridModel.load(make_small_hybrid(tmp_path_factory.mktemp("tail"), tokenizer=False))
 
 
 def _clone(state: ModelState) -> ModelState:
