@@ -283,11 +283,8 @@ class _TiktokenBackend:
     def token_bytes(self, token_id: int) -> bytes | None:
         return self._bpe.token_bytes(token_id) or b""
 
-    def _token_bytes(self, token_id: int) -> bytes | None:
-        return self._bpe.token_bytes(token_id)
-
     def piece(self, token_id: int) -> str | None:
-        data = self._token_bytes(token_id)
+        data = self._bpe.token_bytes(token_id)
         return None if data is None else data.decode("utf-8", errors="backslashreplace")
 
 
@@ -462,10 +459,9 @@ def _load_tiktoken(model_dir: Path, config: dict[str, Any]) -> Tokenizer:
         raise ModelError(f"{config_path} has no pat_str (the tiktoken pre-tokenizer regex)")
     specials = _added_tokens(config_path, config)
     ranks, raw = _read_ranks(model_dir / TIKTOKEN_FILE)
-    clash = set(specials.values()) & set(ranks.ids[np.isin(ranks.ids, list(specials.values()))]
-                                         .tolist())
+    clash = sorted(set(ranks.ids[np.isin(ranks.ids, list(specials.values()))].tolist()))
     if clash:
-        raise ModelError(f"{config_path}: added token ids {sorted(clash)[:5]} are also BPE ranks")
+        raise ModelError(f"{config_path}: added token ids {clash[:5]} are also BPE ranks")
     nfc = config.get("normalizer") == "NFC"
     control = tuple(entry["content"] for entry in config["added_tokens_decoder"].values()
                     if entry.get("special", True) is not False)
