@@ -54,3 +54,26 @@ def test_a_model_that_cannot_load_exits_with_status_2(tmp_path):
     add_config_flags(parser)
     args = parser.parse_args(["--model", str(tmp_path / "missing"), "--home", str(tmp_path)])
     assert serve_main(args) == 2
+
+
+async def test_the_start_heap_is_frozen_while_serving_and_given_back_at_the_stop(small_loaded,
+                                                                                 make_config):
+    """gc.freeze once the site listens (tandem.serve.freeze_startup_heap: a full collection
+    would otherwise walk the start's objects, holding the GIL from every stream), and
+    gc.unfreeze when the server stops (a process serving again, a test's, collects as ever)."""
+    import gc
+
+    config = make_config(port=0)
+    engine = ScriptedEngine(list(range(100, 103)), window=config.engine.window)
+    actor = EngineActor("engine", make_engine=lambda: engine)
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    served = asyncio.create_task(serve(config, small_loaded, engine=actor, ready=ready,
+                                       stop=stop))
+    async with asyncio.timeout(10):
+        await ready
+    assert gc.get_freeze_count() > 1000
+    stop.set()
+    async with asyncio.timeout(10):
+        assert await served == 0
+    assert gc.get_freeze_count() == 0
