@@ -93,8 +93,11 @@ static void head(const struct step_model *M, const float *h, long R, float *logi
   }
   const float *xs[4];
   long rows[4], tokens[4], n = 0;
-  for (r = 0; r <= R; r++) {  /* the screened ones, up to 4 a call */
-    if (r < R && screened(M, choose, r)) {
+  for (r = 0; r <= R; r++) {  /* the screened ones, up to 4 a call, wherever they lie */
+    if (r < R) {
+      /* a row between them (logits, or no head: a tail's) does not split a call: each
+         token is its own row's alone, the call only reads the screen once for them all */
+      if (!screened(M, choose, r)) continue;
       xs[n] = h + r * D, rows[n++] = r;
       if (n < 4) continue;
     }
