@@ -316,7 +316,20 @@ class VerifyStep:
     greedy: bool = False  # as DecodeStep's: may be sent a list of Chosen, one a position
 
 
-Step = Chunk | DecodeStep | VerifyStep
+@dataclass(frozen=True)
+class TailStep:
+    """A prefill's short tail (``Engine.prefill_steps`` with ``batch_tail``) asks for
+    ``token_ids`` to be forwarded on ``engine`` past its rows as decode forwards them, and is
+    sent the last position's `HeadRow` (``decode_batch`` runs it beside other sequences'
+    decode steps: the weights read once for them all, and its last row's greedy token
+    screened with theirs where ``greedy``)."""
+
+    engine: "Engine"
+    token_ids: tuple[int, ...]
+    greedy: bool = False
+
+
+Step = Chunk | DecodeStep | VerifyStep | TailStep
 
 
 def run_steps(steps: Generator[Step, torch.Tensor | None, "GenerationResult"]):
@@ -337,6 +350,8 @@ def forward_step(step: Any) -> torch.Tensor | None:
         return step.engine.decode(step.token_id, greedy=step.greedy)
     if isinstance(step, VerifyStep):
         return step.engine.verify(step.token_ids, greedy=step.greedy)
+    if isinstance(step, TailStep):
+        return step.engine.tail(step.token_ids)
     return None
 
 
@@ -357,26 +372,34 @@ def _stoppable(steps: Generator[Step, Any, torch.Tensor], stop: Callable[[], boo
         return done.value
 
 
-def decode_batch(steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]:
-    """Forward the decode steps and verify blocks of several sequences over one model as one
-    batched step (``Model.forward_batch``, with a verify block among them
-    ``forward_ragged``: the weights read once; a sequence's logits are the bits it gets
+def decode_batch(steps: Sequence[DecodeStep | VerifyStep | TailStep]) -> list[Any]:
+    """Forward the decode steps, verify blocks and prefill tails of several sequences over one
+    model as one batched step (``Model.forward_batch``, with a verify block or a tail among
+    them ``forward_ragged``: the weights read once; a sequence's logits are the bits it gets
     alone). Each step's logits in order: ``[vocab]`` for a decode, ``[n, vocab]`` for a
-    verify block (left pending, as ``Engine.verify`` leaves it); a `Chosen` (a list of them for
-    a verify block) where a step marked ``greedy`` got its token through the model's screen. A
-    step whose engine cannot take its tokens (its window is full) raises before any row is
-    written."""
+    verify block (left pending, as ``Engine.verify`` leaves it), a tail's last position's
+    `HeadRow`; a `Chosen` (a list of them for a verify block) where a step marked ``greedy``
+    got its token through the model's screen. A step whose engine cannot take its tokens (its
+    window is full) raises before any row is written."""
     if len(steps) == 1:
-        step = steps[0]
-        return [step.engine.verify(step.token_ids, greedy=step.greedy)
-                if isinstance(step, VerifyStep)
-                else step.engine.decode(step.token_id, greedy=step.greedy)]
+        return [forward_step(steps[0])]
     model = steps[0].engine.model
     if any(s.engine.model is not model for s in steps):
         raise ValueError("a batched decode step runs over one model")
     if len({id(s.engine) for s in steps}) != len(steps):
         raise ValueError("one sequence twice in a batched decode step")
-    if any(isinstance(s, VerifyStep) for s in steps):
+    tails = [i for i, s in enumerate(steps) if isinstance(s, TailStep)]
+    takes = getattr(model, "takes_tail", None)
+    if tails and (takes is None or not takes([s.engine.state for s in steps])):
+        # a batch the native step does not take: each tail alone, the rest batched
+        out: list[Any] = [None] * len(steps)
+        for i in tails:
+            out[i] = forward_step(steps[i])
+        rest = [i for i in range(len(steps)) if i not in tails]
+        for i, got in zip(rest, decode_batch([steps[i] for i in rest]) if rest else []):
+            out[i] = got
+        return out
+    if tails or any(isinstance(s, VerifyStep) for s in steps):
         return _ragged_batch(model, steps)
     positions = [s.engine._decode_position() for s in steps]
     offsets = [s.engine.rope_delta for s in steps]
@@ -397,13 +420,16 @@ def _choose(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> dict[str,
     return {"choose": choose} if any(choose) and getattr(model, "chooses", False) else {}
 
 
-def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> list[torch.Tensor]:
-    """decode_batch with a verify block in it: one forward_ragged, or, for a model without
-    one, its decodes as one forward_batch and each block's forward_verify alone."""
-    blocks = [list(s.token_ids) if isinstance(s, VerifyStep) else [int(s.token_id)]
+def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep | TailStep]
+                  ) -> list[Any]:
+    """decode_batch with a verify block or a tail in it: one forward_ragged, or, for a model
+    without one, its decodes as one forward_batch and each block's forward_verify alone (a
+    tail never reaches a model without one: decode_batch runs it alone there)."""
+    blocks = [list(s.token_ids) if isinstance(s, (VerifyStep, TailStep)) else [int(s.token_id)]
               for s in steps]
-    positions = [s.engine._verify_position(len(b)) if isinstance(s, VerifyStep)
+    positions = [s.engine._verify_position(len(b)) if isinstance(s, (VerifyStep, TailStep))
                  else s.engine._decode_position() for s, b in zip(steps, blocks)]
+    tail = [isinstance(s, TailStep) for s in steps]
     offsets = [s.engine.rope_delta for s in steps]
     ragged = getattr(model, "forward_ragged", None)
     with torch.inference_mode():
@@ -411,6 +437,7 @@ def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> lis
             logits, sections = ragged([s.engine.state for s in steps], blocks, positions,
                                       verify=[isinstance(s, VerifyStep) for s in steps],
                                       **({"rope_offsets": offsets} if any(offsets) else {}),
+                                      **({"tail": tail} if any(tail) else {}),
                                       **_choose(model, steps))
         else:
             logits, sections = [None] * len(steps), [None] * len(steps)
@@ -433,6 +460,9 @@ def _ragged_batch(model: Model, steps: Sequence[DecodeStep | VerifyStep]) -> lis
         if isinstance(s, VerifyStep):
             s.engine._verified(b, pos, kept)
             out.append(rows)
+        elif isinstance(s, TailStep):
+            s.engine._tailed(b)
+            out.append(rows)  # its HeadRow
         else:
             s.engine._decoded(b[0], pos)
             out.append(rows[0])
@@ -558,7 +588,7 @@ class Engine:
     def prefill_steps(self, token_ids: Sequence[int],
                       on_chunk: Callable[[int], None] | None = None,
                       scorer: PromptScorer | None = None, images: Any = None,
-                      row: bool = False
+                      row: bool = False, batch_tail: bool | None = None
                       ) -> Generator["Step", torch.Tensor | None, "torch.Tensor | HeadRow"]:
         """Forward ``token_ids`` past the rows in place, on the grid; the last position's logits,
         or with ``row`` (and no scorer) where the model gives one, its `HeadRow`: the logits
@@ -577,6 +607,9 @@ class Engine:
         A tail of at most TAIL_ROWS tokens inside one grid cell, over rows already held to the
         greedy gate only (``taint`` at or below them), runs as decode runs those tokens
         (``forward_tail``, where the model has it): the bits decoding them one by one writes.
+        With ``batch_tail`` (a bool: whether its greedy token is wanted alone) that tail is a
+        `TailStep` yielded to the scheduler, which forwards it beside other sequences' decode
+        steps (decode_batch), sent back the `HeadRow`: the same bits.
         """
         n = self.length
         if len(token_ids) > self.window:
@@ -603,6 +636,11 @@ class Engine:
             # anchor, or off the grid): forwarded as decode forwards its tokens, one native
             # step, the bits decoding them writes (a resumed turn's 4 new tokens: 2.0 ms on
             # tiny where the chunk's layer path took 5.9).
+            if batch_tail is not None and self.model.takes_tail([self.state]):
+                head = yield TailStep(self, tuple(fwd[n:].tolist()), greedy=batch_tail)
+                if on_chunk is not None:
+                    on_chunk(len(token_ids))
+                return head
             with torch.inference_mode():
                 logits = self.model.forward_tail(self.state, fwd[n:].tolist(), n,
                                                  rope_offset=self.rope_delta)
@@ -639,6 +677,21 @@ class Engine:
         if images is not None:
             self.rope_delta = images.delta
         return logits
+
+    def tail(self, token_ids: Sequence[int]) -> HeadRow:
+        """A `TailStep` forwarded alone: ``token_ids`` past the rows in place as decode runs
+        them (``forward_tail``), the last position's `HeadRow`."""
+        pos = self._verify_position(len(token_ids))
+        with torch.inference_mode():
+            head = self.model.forward_tail(self.state, list(token_ids), pos,
+                                           rope_offset=self.rope_delta)
+        if head is None:
+            raise ModelError("this model's step does not run a prefill's tail")
+        self._tailed(token_ids)
+        return head
+
+    def _tailed(self, token_ids: Sequence[int]) -> None:
+        self.token_ids.extend(int(t) for t in token_ids)
 
     def _forwarded(self, ids: torch.Tensor, n: int, images: Any) -> tuple[torch.Tensor, dict]:
         """The ids the model embeds (key ids back to the placeholder, whose rows the images
@@ -692,7 +745,8 @@ class Engine:
         return _ragged_batch(self.model, [VerifyStep(self, tuple(token_ids), greedy)])[0]
 
     def _verify_position(self, n: int) -> int:
-        """Before a verify block of ``n`` tokens: the pending commit landed, its first row."""
+        """Before a block of ``n`` tokens (a verify block, a prefill's tail): the pending
+        commit landed, its first row."""
         self.settle()
         pos = self.length
         if pos + n > self.window:
@@ -733,7 +787,8 @@ class Engine:
                        on_prefill: Callable[[torch.Tensor], None] | None = None,
                        logits: torch.Tensor | None = None,
                        stop_prefill: Callable[[], bool] | None = None,
-                       grammar: "TokenGrammar | None" = None
+                       grammar: "TokenGrammar | None" = None,
+                       batch_tail: bool = False
                        ) -> Generator["Step", torch.Tensor | None, GenerationResult]:
         """Prefill the prompt (resuming over the rows in place it shares), then decode. A
         generator of `Step`s: `CHUNK` between prefill chunks, and a `DecodeStep` for each
@@ -785,6 +840,10 @@ class Engine:
         every sampled position after the logits processors, greedy and sampled, asked with the
         tokens before the position as the processors are; a verify block carries only the
         drafts it allows, and the generation stops ("stop") once the output completes it.
+
+        ``batch_tail``: a short tail the prefill runs as decode is a `TailStep` for the
+        scheduler to batch (``prefill_steps``); its greedy token screened in the step when
+        nothing but the greedy token is read.
         """
         if len(prompt_ids) == 0:
             raise ModelError("the prompt is empty")
@@ -810,9 +869,12 @@ class Engine:
         t0 = time.perf_counter()
         if logits is None:
             placed = images.place(prompt_ids, reuse) if images is not None else None
-            prefill = self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer,
-                                         images=placed,
-                                         row=getattr(self.model, "chooses", False))
+            prefill = self.prefill_steps(
+                prompt_ids, on_chunk=on_chunk, scorer=scorer, images=placed,
+                row=getattr(self.model, "chooses", False),
+                batch_tail=(params.greedy and grammar is None and params.logprobs is None
+                            and LogitsProcessors.for_params(params) is None)
+                if batch_tail else None)
             if stop_prefill is not None:
                 prefill = _stoppable(prefill, stop_prefill)
             logits = yield from prefill

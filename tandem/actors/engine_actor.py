@@ -103,7 +103,7 @@ from tandem.cache.store import StateStore
 from tandem.choices import Choices, DecodeBatch, choice_params, decode_steps, sent
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
-from tandem.engine import VerifyStep
+from tandem.engine import TailStep, VerifyStep
 from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
 from tandem.models.image_keys import has_keys, is_key, text_runs
@@ -122,6 +122,10 @@ TIER_ASK_S = 30.0  # a tier's offer is a few microseconds of its handler; past t
 # Tokens a second the disk offer's cost is weighed against before any prefill was measured,
 # and the shortest prefill whose rate is counted (shorter ones are mostly overhead).
 PREFILL_RATE_PRIOR, PREFILL_RATE_MIN_TOKENS = 2000.0, 512
+# How long a decode batch holding a prefill's tail waits, while the loop makes the next
+# request's plan, for that request's tail to join it (a plan takes 2 to 4 ms here): turns
+# sent together then take their first rows in one batch rather than one a round.
+TAIL_WAIT_S = 0.006
 
 
 # The resident's counters and bytes each slot keeps of its own, summed over the slots in
@@ -261,13 +265,14 @@ class _Run:
     """One job's generation on the engine thread (the scheduler's): the generator and what it
     waits for (a Step, END, an _AskStore answered from the loop, or _NEW)."""
 
-    __slots__ = ("job", "steps", "need", "sent")
+    __slots__ = ("job", "steps", "need", "sent", "tail")
 
     def __init__(self, job: "_Job", steps: Any) -> None:
         self.job = job
         self.steps = steps
         self.need: Any = _NEW
         self.sent: Any = None  # the loop's answer to an _AskStore, once it came
+        self.tail = 0.0  # when its prefill's tail began to wait for a decode batch
 
 
 class _Outside:
@@ -390,7 +395,13 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         # The scheduler's inbox (the loop's side): jobs to start, answers, calls to run.
         self._inbox: deque[tuple[str, Any, Any]] = deque()
         self._inbox_lock = threading.Lock()
+        self._inbox_event = threading.Event()  # set by each submit: a waiting round wakes
         self._scheduling = False  # a scheduler runs on the engine thread (under the lock)
+        # The loop's: the request whose plan is being made (read by the engine thread, whose
+        # batch with a tail in it may wait for that plan's tail: TAIL_WAIT_S).
+        self._planning: str | None = None
+        self._queued = 0  # and the requests waiting to be planned (_pump)
+        self._tail_wait: float | None = None  # engine thread only: this round's batch waits
         self._scheduler: asyncio.Future[Any] | None = None
         # An outside holder takes the lock between two of the scheduler's rounds: the thread
         # parks (``_unpause`` wakes it) while ``_paused``; ``_pausing`` while it is asked to.
@@ -872,6 +883,12 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         outside holder gets it between two of the scheduler's rounds (the running
         generations pause until it releases: a copy waits at most one step), and those
         behind it wait for it (the FIFO's order)."""
+        self._hand_over()
+        # For the engine thread (_batch_waits): requests a plan will be made for once the
+        # prefill running lets it, a slot being idle for them.
+        self._queued = self.waiting if len(self._active) < self.parallel else 0
+
+    def _hand_over(self) -> None:
         if self._fault is not None or self.state == "stopped":
             return
         while True:
@@ -910,7 +927,17 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         if self._tiers is None:
             self._submit("start", job, None)
         else:
-            self._task(self._prepare(job))
+            self._planning = job.request_id  # from now: the task runs at the loop's next turn
+            self._task(self._planned(job))
+
+    async def _planned(self, job: _Job) -> None:
+        """``_prepare``, with the engine thread told that a plan is being made."""
+        try:
+            await self._prepare(job)
+        finally:
+            if self._planning == job.request_id:  # no plan came of it: a waiting batch goes on
+                self._planning = None
+                self._inbox_event.set()
 
     def _pause_steps(self) -> None:
         """On the loop: ask the scheduler to park between two rounds; once it has, the
@@ -949,6 +976,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         there while it has work, and is started when it does not run."""
         with self._inbox_lock:
             self._inbox.append((kind, job, value))
+            self._inbox_event.set()
             if self._scheduling:
                 return
             self._scheduling = True
@@ -1001,15 +1029,18 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
     def _schedule(self) -> None:
         """On the engine thread, while there is work: each round runs one chunk of the prefill
         (the one job in its prefill: a new one begins there), then every decode step waiting
-        as one batched forward (the weights read once a step), then the ends the cache gate
-        lets through. A decoding slot waits at most one chunk; a slot's tokens and logits are
-        those it gets alone (decode_batch)."""
+        as one batched forward (the weights read once a step; a resumed turn's short tail
+        among them, which may first wait a few ms for the next request's plan:
+        _batch_waits), then the ends the cache gate lets through. A decoding slot waits at
+        most one chunk, or that wait; a slot's tokens and logits are those it gets alone
+        (decode_batch)."""
         runs = self._runs
         idle = 0
         while True:
             with self._inbox_lock:
                 items = list(self._inbox)
                 self._inbox.clear()
+                self._inbox_event.clear()
                 if not items and not any(self._ready(run) for run in runs.values()):
                     self._scheduling = False
                     return
@@ -1038,6 +1069,10 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 self._in_round = False
             if ran:
                 idle = 0
+                if self._tail_wait is not None:
+                    # The batch waits for the plan the loop is making (a submit wakes it).
+                    self._inbox_event.wait(self._tail_wait)
+                    self._tail_wait = None
             else:
                 # Only ends wait, for the gate the loop holds while it makes a plan
                 # (milliseconds): the thread waits a little, not spinning the CPU.
@@ -1076,10 +1111,14 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 ran = True
                 break
         decoding = [run for run in runs.values()
-                    if isinstance(run.need, (DecodeStep, VerifyStep, DecodeBatch))]
+                    if isinstance(run.need, (DecodeStep, VerifyStep, TailStep, DecodeBatch))]
         if decoding:
             ran = True
-            self._decode(decoding)
+            wait = self._batch_waits(decoding)
+            if wait is not None:
+                self._tail_wait = wait
+            else:
+                self._decode(decoding)
         for run in [r for r in runs.values() if r.need is END
                     or (isinstance(r.need, _AskStore) and r.sent is not None)]:
             if not self._cache_gate.acquire(blocking=False):
@@ -1094,6 +1133,20 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 self._cache_gate.release()
             ran = True
         return ran
+
+    def _batch_waits(self, decoding: list[_Run]) -> float | None:
+        """Seconds this round's batch waits, or None to run it now. A batch that holds a
+        prefill's tail waits while the loop makes the next request's plan (or has one queued
+        to make), up to TAIL_WAIT_S after its newest tail joined: four turns sent together
+        then take their first rows in one or two batches, where one a round (a plan apart)
+        left the last one's first token 70 ms after the first's. A decoding slot waits at most
+        that, once for each request."""
+        if self._planning is None and not self._queued:
+            return None
+        newest = max((run.tail for run in decoding if isinstance(run.need, TailStep)),
+                     default=0.0)
+        left = newest + TAIL_WAIT_S - time.monotonic() if newest else 0.0
+        return left if left > 0 else None
 
     def _decode(self, decoding: list[_Run]) -> None:
         """Every waiting decode step (a request's choices' steps among them) as one batched
@@ -1143,9 +1196,22 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         run.need = need
         if isinstance(need, _AskStore):
             self._to_loop(self._halfway, job, need.put)
+        if run.tail and not isinstance(need, TailStep):
+            run.tail = 0.0
+            self._to_loop(self._prefill_over, job)  # the disk hears of it now
         if self._thread_prefilling == job.request_id and need is not CHUNK:
             self._thread_prefilling = None
-            self._to_loop(self._prefill_over, job)
+            if isinstance(need, TailStep):
+                # What is left of this prefill is a tail in the next decode batch, a few rows
+                # as decode runs them: the next request is planned while it waits (its own
+                # prefill starts a round later at the earliest, one at a time still), so that
+                # turns sent together join the batch a round apart rather than a plan apart.
+                run.tail = time.monotonic()
+                if self.planner is not None:
+                    self.planner.settle_early()
+                self._to_loop(self._plan_next, job)
+            else:
+                self._to_loop(self._prefill_over, job)
 
     def _ended_run(self, run: _Run, outcome: Any, exc: BaseException | None) -> None:
         job = run.job
@@ -1179,6 +1245,11 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
         """On the loop: the job's prompt is forwarded; the next prefill may be planned, and the
         disk writer is told what to write of it (it copies the rows out while this decodes)."""
         self._tell_disk(job)
+        self._plan_next(job)
+
+    def _plan_next(self, job: _Job) -> None:
+        """On the loop: the job's prefill no longer holds the planning back (it is over, or
+        all that is left of it is a tail waiting for a decode batch)."""
         if self._prefilling is job:
             self._prefilling = None
             self._pump()
@@ -1322,6 +1393,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
             self._trace.record(plan, sender=self.name, receiver=f"{self.name}.thread",
                                wall_time_s=self.clock.wall_time(), handler_ms=0.0,
                                correlation_id=None)
+        self._planning = None  # before the submit wakes a batch that waits for it
         self._submit("start", job, plan)
 
     def _busy_slots(self) -> set[int]:
@@ -1828,7 +1900,7 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 # fork from the rows as they are.
                 choices.fork(engine, shared["logits"], params.max_tokens)
             results = yield from choices.run(engine.generate_steps(prompt, params, **options,
-                                                                   **shared))
+                                                                   **shared, batch_tail=True))
         finally:
             choices.release()
         budgets += [None] * (job.n - 1 - len(budgets))
@@ -2125,7 +2197,8 @@ def _engine_steps(engine: Any, prompt: Sequence[int], params: SamplingParams, **
     steps = getattr(engine, "generate_steps", None)
     if steps is None:
         return engine.generate(prompt, params, **options)
-    return (yield from steps(prompt, params, **options))
+    # a short tail rides in the scheduler's decode batch (tandem.engine.TailStep)
+    return (yield from steps(prompt, params, batch_tail=True, **options))
 
 
 def _sampling(p: GenerationParams) -> SamplingParams:

@@ -48,6 +48,9 @@ class Planner:
         # False while another sequence's prefill is the governor's running one (the engine
         # actor's slots): this one's end leaves the governor's prefill and reserve alone.
         self.governed = True
+        # The prefill's rest is a tail in a decode batch whose governor record ended early
+        # (settle_early): its chunk's end leaves the governor alone.
+        self._settled = False
         if governor is not None:
             shedders = {level: partial(resident.shed, level)
                         for level in ("prompt_end", "anchors", "end", "stash", "park", "pin")}
@@ -64,6 +67,7 @@ class Planner:
             # (A plan was admitted on the loop: governor.admit_prefill.)
             self.governor.before_prefill(len(served))  # raises before anything moved
         self._prompt_len = len(served)
+        self._settled = False
         if plan is not None:
             if self.store is not None:
                 # First: from here a failure's abort gives the admitted rooms back.
@@ -113,10 +117,18 @@ class Planner:
         self.resident.on_chunk(end)
         if self.store is not None:
             self.store.on_chunk(end)
-        if self.governor is not None:
+        if self.governor is not None and not self._settled:
             self.governor.observe()
             if end >= self._prompt_len:
                 self.governor.after_prefill()
+
+    def settle_early(self) -> None:
+        """The rest of this prefill is a short tail that runs in the decode batch (a few rows
+        over memory the plan backed): the governor's record of it ends here, so that the next
+        request's prefill may be admitted while the tail waits for its batch."""
+        if self.governor is not None and not self._settled:
+            self.governor.after_prefill()
+        self._settled = True
 
     def on_prefill(self, logits) -> None:
         """After the prompt's prefill, before its first decode: the prompt-end anchor."""

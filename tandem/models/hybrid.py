@@ -983,7 +983,8 @@ class HybridModel:
 
     def forward_ragged(self, states: list[ModelState], blocks: list[list[int]],
                        positions: list[int], rope_offsets: list[int] | None = None,
-                       verify: list[bool] | None = None, choose: list[bool] | None = None
+                       verify: list[bool] | None = None, choose: list[bool] | None = None,
+                       tail: list[bool] | None = None
                        ) -> tuple[list, list[dict[str, torch.Tensor] | None]]:
         """One step over a ragged batch: sequence b forwards ``blocks[b]`` at positions
         ``positions[b]...``: one token (a decode: its row written, its sections advanced, as
@@ -1009,10 +1010,22 @@ class HybridModel:
 
         ``choose[b]``: every row of sequence b wants its greedy token alone; where the native
         step screens them (at most head_screen.STEP_ROWS_MAX rows in the step), that sequence's
-        entry is a list of `Chosen`, one a row, in place of its logits."""
-        verify = verify or [len(b) > 1 for b in blocks]
-        if any(not b or (len(b) > 1 and not v) for b, v in zip(blocks, verify)):
-            raise ValueError("a decode forwards one token, a verify block one or more")
+        entry is a list of `Chosen`, one a row, in place of its logits.
+
+        ``tail[b]``: sequence b's block is a prefill's short tail (Engine.prefill_steps): its
+        rows run as decode rows do, one after another in the waves, each on its sections in
+        place (forward_tail's arithmetic); only its last row is read, and its entry is that
+        row's `HeadRow`, its greedy token screened already where ``choose[b]`` asks for it.
+        Only the native step runs a tail (``takes_tail``): elsewhere a ValueError, before any
+        row is written."""
+        tail = tail or [False] * len(blocks)
+        verify = verify or [len(b) > 1 and not t for b, t in zip(blocks, tail)]
+        if any(not b or (len(b) > 1 and not v and not t) or (v and t)
+               for b, v, t in zip(blocks, verify, tail)):
+            raise ValueError("a decode forwards one token, a verify block or a tail one or more")
+        if any(tail):
+            return self._ragged_tails(states, blocks, positions, rope_offsets, verify, choose,
+                                      tail)
         if not any(verify):
             logits = self.forward_batch(states, [b[0] for b in blocks], positions,
                                         rope_offsets=rope_offsets, choose=choose)
@@ -1160,6 +1173,79 @@ class HybridModel:
             cos, sin = cos.to(self.dtype), sin.to(self.dtype)
         half = self.config.rotary_dim // 2
         return cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+
+    def _ragged_tails(self, states: list[ModelState], blocks: list[list[int]],
+                      positions: list[int], rope_offsets: list[int] | None,
+                      verify: list[bool], choose: list[bool] | None, tail: list[bool]
+                      ) -> tuple[list, list[dict[str, torch.Tensor] | None]]:
+        """forward_ragged with tails among its blocks: one native step, as forward_ragged's
+        native path runs it, where a tail's rows other than its last get no head at all and
+        its last row's final normed row (``h_out``) makes its HeadRow."""
+        step = self._native_step()
+        if step is None or (self.graphs is not None and self.graphs.takes(self)):
+            raise ValueError("a tail runs on the native step only")
+        ids = [t for b in blocks for t in b]
+        x = self._embedding(torch.tensor(ids, dtype=torch.long, device=self.device))
+        if x.stride(1) != 1 or not step.fits(states):
+            raise ValueError("a tail runs on the native step only")
+        ragged = _Ragged(states, blocks, verify, self.device)
+        offsets = rope_offsets or [0] * len(blocks)
+        at = [p + j for p, b in zip(positions, blocks) for j in range(len(b))]
+        cos, sin = self._native_rope([p + o + j for p, o, b in zip(positions, offsets, blocks)
+                                      for j in range(len(b))])
+        # A row's wish: True its greedy token through the screen, False its logits, None no
+        # head (a tail's rows before its last; its last where nothing screens it: the HeadRow
+        # computes its logits when read).
+        wishes = [bool(choose[b]) if choose is not None else False for b in range(len(blocks))]
+        asked = sum(1 if tail[b] else len(block)
+                    for b, block in enumerate(blocks) if wishes[b])
+        # past the screen's rows the full head, read once for every row, is cheaper
+        screens = step.screen is not None and asked <= head_screen.STEP_ROWS_MAX
+        want: list[bool | None] = []
+        for b, block in enumerate(blocks):
+            if tail[b]:
+                want += [None] * (len(block) - 1) + [True if wishes[b] and screens else None]
+            else:
+                want += [wishes[b] and screens] * len(block)
+                if wishes[b] and not screens:
+                    self.screen_counts["full"] += len(block)
+        h = torch.empty(len(ids), x.shape[1], dtype=torch.float32)
+        logits, tokens = step.ragged(x, states, ragged, at, cos, sin, want, h_out=h)
+        out: list = []
+        first = 0
+        for b, block in enumerate(blocks):
+            rows = range(first, first + len(block))
+            first += len(block)
+            if tail[b]:
+                r = rows[-1]
+                row = h[r:r + 1].clone()
+                box = []
+                if tokens[r] >= 0:
+                    box = [(row.clone(), Chosen(tokens[r]))]
+                    self.screen_counts["screened"] += 1
+                elif want[r] is True:
+                    self.screen_counts["full"] += 1  # the screen did not take it
+                out.append(HeadRow(row, lambda v: self._prefill_head(v)[0], self._screen_row,
+                                   box))
+                continue
+            got = []
+            for r in rows:
+                if tokens[r] >= 0:
+                    got.append(Chosen(tokens[r]))
+                    self.screen_counts["screened"] += 1
+                else:
+                    got.append(logits[r])
+                    if want[r] is True:
+                        self.screen_counts["full"] += 1
+            out.append(got if any(want[r] for r in rows) else logits[rows[0]:rows[-1] + 1])
+        return out, ragged.steps()
+
+    def takes_tail(self, states: list[ModelState]) -> bool:
+        """Whether a prefill's tail on these sequences runs in a step (forward_ragged's
+        ``tail``, forward_tail): where the native step runs them."""
+        step = self._native_step()
+        return (step is not None and not (self.graphs is not None and self.graphs.takes(self))
+                and step.fits(states))
 
     def forward_tail(self, state: ModelState, token_ids: list[int], start: int,
                      rope_offset: int = 0) -> HeadRow | None:

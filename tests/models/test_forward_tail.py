@@ -136,3 +136,90 @@ def test_a_tail_across_a_grid_line_takes_the_chunks(small, monkeypatch):
     run_steps(engine.generate_steps(prompt + result.token_ids + [5] * 2,
                                     SamplingParams(max_tokens=1)))
     assert calls == [3]
+
+
+def _engine_at(model, n: int, seed: int) -> Engine:
+    """An engine holding ``n`` prompt rows and two decoded ones (its rows tainted: a tail may
+    run over them), nothing pending."""
+    engine = Engine(model, window=WINDOW, prefix_chunk=64)
+    prompt = torch.randint(0, model.vocab_size, (n,),
+                           generator=torch.Generator().manual_seed(seed)).tolist()
+    run_steps(engine.generate_steps(prompt, SamplingParams(max_tokens=3)))
+    engine.settle()
+    return engine
+
+
+def _twin(engine: Engine) -> Engine:
+    twin = Engine(engine.model, window=WINDOW, prefix_chunk=64)
+    state = _clone(engine.state)
+    for name, t in state.sections.items():
+        twin.state.sections[name].copy_(t)
+    for name, view in state.views.items():
+        twin.state.views[name].tensor.copy_(view.tensor)
+    twin.resume_at(engine.length, engine.token_ids, taint=engine.taint)
+    return twin
+
+
+def _token(got) -> int:
+    return got.token if hasattr(got, "token") else int(torch.argmax(got.reshape(-1)))
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_a_tail_in_a_decode_batch_writes_and_reads_what_it_does_alone(small, greedy):
+    """A TailStep between other sequences' decode steps and a verify block (its rows with no
+    head lie between rows whose greedy token the step screens): its rows, sections and last
+    row are the bits Engine.tail writes alone (decoding's, above), its greedy token and logits
+    the same, and each neighbour gets the bits it gets alone."""
+    from tandem.engine import DecodeStep, TailStep, VerifyStep, decode_batch
+
+    batched = [_engine_at(small, 40 + 7 * i, 30 + i) for i in range(4)]
+    alone = [_twin(e) for e in batched]
+    ids = (17, 400, 23, 9, 311)
+    steps = [DecodeStep(batched[0], 5, greedy=True), TailStep(batched[1], ids, greedy=greedy),
+             DecodeStep(batched[2], 6, greedy=False), VerifyStep(batched[3], (7, 8, 9), True)]
+    got = decode_batch(steps)
+    want = [alone[0].decode(5, greedy=True), alone[1].tail(ids), alone[2].decode(6),
+            alone[3].verify((7, 8, 9), greedy=True)]
+    for b, a in zip(batched, alone):
+        assert b.token_ids == a.token_ids and b.length == a.length
+        for name in a.state.sections:
+            assert torch.equal(b.state.sections[name], a.state.sections[name]), name
+        for name in a.state.views:
+            assert torch.equal(b.state.views[name].tensor, a.state.views[name].tensor), name
+    head, head_alone = got[1], want[1]
+    assert isinstance(head, HeadRow) and torch.equal(head.row, head_alone.row)
+    assert _token(head.choose()) == _token(head_alone.choose())
+    assert torch.equal(head.logits(), head_alone.logits())
+    assert _token(got[0]) == _token(want[0])
+    assert torch.equal(got[2], want[2])
+    assert [_token(r) for r in got[3]] == [_token(r) for r in want[3]]
+
+
+def test_a_resumed_turn_yields_its_tail_to_the_scheduler_and_answers_the_same(small):
+    """generate_steps with ``batch_tail``: a resumed turn's tail is a TailStep (forwarded here
+    beside another sequence's decode steps, as the engine actor's scheduler does), and its
+    greedy tokens are those of the tail run inline."""
+    from tandem.engine import DecodeStep, TailStep, decode_batch, forward_step
+
+    def turn(engine: Engine, prompt: list[int], batch_tail: bool, beside: Engine | None):
+        steps = engine.generate_steps(prompt, SamplingParams(max_tokens=5),
+                                      batch_tail=batch_tail)
+        kinds, value = [], None
+        try:
+            while True:
+                step = steps.send(value)
+                kinds.append(type(step).__name__)
+                if beside is not None and isinstance(step, (TailStep, DecodeStep)):
+                    value = decode_batch([DecodeStep(beside, 3, greedy=True), step])[1]
+                else:
+                    value = forward_step(step)
+        except StopIteration as done:
+            return done.value.token_ids, kinds
+
+    base = _engine_at(small, 70, 41)
+    prompt = base.token_ids + [12, 13, 14]
+    inline, kinds = turn(_twin(base), prompt, False, None)
+    assert "TailStep" not in kinds
+    batched, kinds = turn(_twin(base), prompt, True, _engine_at(small, 50, 42))
+    assert kinds[0] == "TailStep"
+    assert batched == inline

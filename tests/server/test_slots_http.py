@@ -400,3 +400,51 @@ async def test_four_conversations_at_once_with_speculation_answer_as_each_alone(
         assert got.text == want.text == first[i].choices[0].text, i
         assert got.logprobs.token_logprobs == want.logprobs.token_logprobs, i
         assert got.logprobs.top_logprobs == want.logprobs.top_logprobs, i
+
+
+async def test_resumed_turns_sent_together_take_their_tails_in_one_batch(
+        small_loaded, make_config, serve, sdk, monkeypatch):
+    """Four conversations in place, their next turns (each its answer sent back and a new line)
+    sent together: each resumes at its end anchor, its few new tokens a TailStep that waits in
+    the scheduler's batch for the next request's plan (TAIL_WAIT_S, raised here so that a slow
+    host's plan still joins), so that two or more of them run in one batched step; and each
+    answer is the one the same turn gets sent alone after the same history (greedy gate)."""
+    from tandem.actors import engine_actor
+    from tandem.engine import TailStep
+
+    tails: list[int] = []
+    batch = engine_actor.decode_batch
+
+    def recording(steps):
+        tails.append(sum(isinstance(s, TailStep) for s in steps))
+        return batch(steps)
+
+    monkeypatch.setattr(engine_actor, "decode_batch", recording)
+    monkeypatch.setattr(engine_actor, "TAIL_WAIT_S", 2.0)
+    config = make_config(window=4096)
+    prompts = [SYSTEM + f"Conversation {i}. " + _words(80 + i, 40) for i in range(4)]
+
+    def ask(client, prompt):
+        return client.completions.create(model="small", prompt=prompt, max_tokens=8,
+                                         temperature=0)
+
+    async def run(home, sent):
+        """Every conversation's first turn one by one, then the second turns of ``sent``
+        together."""
+        cfg = msgspec.structs.replace(config, home=str(home))
+        async with serve(build_app(cfg, small_loaded)) as server:
+            client = sdk(server)
+            first = [await ask(client, p) for p in prompts]
+            nexts = [p + r.choices[0].text + f" And then {i}?"
+                     for i, (p, r) in enumerate(zip(prompts, first))]
+            tails.clear()
+            return await asyncio.gather(*(ask(client, nexts[i]) for i in sent))
+
+    home = Path(config.home)
+    together = await run(home / "together", range(4))
+    assert max(tails) >= 2, tails
+    for i, got in enumerate(together):
+        assert _cache(got)["source"] == "end", i
+        (alone,) = await run(home / f"alone{i}", [i])
+        assert tails and max(tails) == 1
+        assert got.choices[0].text == alone.choices[0].text, i
