@@ -104,6 +104,7 @@ from tandem.choices import Choices, DecodeBatch, choice_params, decode_steps, se
 from tandem.io.spill_slots import weigh
 from tandem.engine import CHUNK, ContextOverflow, DecodeStep, Engine, SamplingParams, decode_batch
 from tandem.engine import TailStep, VerifyStep
+import tandem.engine as engine_mod
 from tandem.grammar import TokenGrammar
 from tandem.models.base import ModelError
 from tandem.models.image_keys import has_keys, is_key, text_runs
@@ -1104,14 +1105,23 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
 
     def _round(self, runs: dict[str, _Run]) -> bool:
         """One round; whether anything ran."""
-        ran = False
+        ran = batched = False
         for run in list(runs.values()):
             if run.need is _NEW or run.need is CHUNK:
+                if run.need is _NEW and self._long_prefill(run.job):
+                    # A prefill's first chunk would hold the tails waiting in the batch (for
+                    # this very plan, perhaps) by a chunk: the batch goes first this round.
+                    waiting = [r for r in runs.values() if isinstance(r.need, TailStep)]
+                    if waiting:
+                        self._decode([r for r in runs.values() if isinstance(
+                            r.need, (DecodeStep, VerifyStep, TailStep, DecodeBatch))])
+                        batched = True
                 self._advance(run, None)
                 ran = True
                 break
-        decoding = [run for run in runs.values()
-                    if isinstance(run.need, (DecodeStep, VerifyStep, TailStep, DecodeBatch))]
+        decoding = [] if batched else [
+            run for run in runs.values()
+            if isinstance(run.need, (DecodeStep, VerifyStep, TailStep, DecodeBatch))]
         if decoding:
             ran = True
             wait = self._batch_waits(decoding)
@@ -1133,6 +1143,15 @@ class EngineActor(EnginePeek, EngineSpill, EngineIdle, EngineCompaction, Actor):
                 self._cache_gate.release()
             ran = True
         return ran
+
+    def _long_prefill(self, job: _Job) -> bool:
+        """Whether a planned job forwards more than a tail (TAIL_ROWS tokens past its start):
+        its prefill runs in chunks, not in the batch."""
+        plan = job.plan
+        if plan is None:
+            return True
+        served = plan.served if plan.served is not None else job.prompt_ids
+        return len(served) - plan.start > engine_mod.TAIL_ROWS
 
     def _batch_waits(self, decoding: list[_Run]) -> float | None:
         """Seconds this round's batch waits, or None to run it now. A batch that holds a

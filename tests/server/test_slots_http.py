@@ -448,3 +448,67 @@ async def test_resumed_turns_sent_together_take_their_tails_in_one_batch(
         (alone,) = await run(home / f"alone{i}", [i])
         assert tails and max(tails) == 1
         assert got.choices[0].text == alone.choices[0].text, i
+
+
+async def test_a_long_prefill_planned_behind_a_waiting_tail_lets_the_tail_go_first(
+        small_loaded, make_config, serve, sdk, monkeypatch):
+    """A resumed turn (its tail in the batch) and a long cold prompt sent right behind it: the
+    batch that waited for the long prompt's plan runs before that prompt's first chunk, so the
+    turn's first token never waits for a chunk it waited to batch with (the engine actor's
+    _round); both answers are the ones each gets alone."""
+    import tandem.engine as engine_mod
+    from tandem.actors import engine_actor
+    from tandem.engine import TailStep
+    from tandem.models.hybrid import HybridModel
+
+    events: list[str] = []
+    batch, forward = engine_actor.decode_batch, HybridModel.forward
+
+    class Yielded(TailStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            events.append("yield")
+
+    monkeypatch.setattr(engine_mod, "TailStep", Yielded)
+
+    def recording(steps):
+        if any(isinstance(s, TailStep) for s in steps):
+            events.append("tail")
+        return batch(steps)
+
+    def chunks(self, state, token_ids, start, *args, **kwargs):
+        if len(token_ids) > 16:
+            events.append("chunk")
+        return forward(self, state, token_ids, start, *args, **kwargs)
+
+    monkeypatch.setattr(engine_actor, "decode_batch", recording)
+    monkeypatch.setattr(HybridModel, "forward", chunks)
+    monkeypatch.setattr(engine_actor, "TAIL_WAIT_S", 2.0)
+    config = make_config(window=4096)
+    turn = SYSTEM + "Conversation T. " + _words(90, 40)
+    long = "Another one. " + _words(91, 400)
+
+    def ask(client, prompt):
+        return client.completions.create(model="small", prompt=prompt, max_tokens=6,
+                                         temperature=0)
+
+    async def run(home, both):
+        cfg = msgspec.structs.replace(config, home=str(home))
+        async with serve(build_app(cfg, small_loaded)) as server:
+            client = sdk(server)
+            first = await ask(client, turn)
+            nxt = turn + first.choices[0].text + " And then?"
+            events.clear()
+            if not both:
+                return [await ask(client, nxt), await ask(client, long)]
+            resumed = asyncio.ensure_future(ask(client, nxt))
+            await asyncio.sleep(0)  # its request first, the long one right behind it
+            return await asyncio.gather(resumed, ask(client, long))
+
+    home = Path(config.home)
+    got = await run(home / "both", True)
+    assert "tail" in events and "chunk" in events, events
+    # between the tail's yield and its batch, no chunk of the other prompt (whichever came first)
+    assert "chunk" not in events[events.index("yield"):events.index("tail")], events
+    want = await run(home / "alone", False)
+    assert [r.choices[0].text for r in got] == [r.choices[0].text for r in want]
