@@ -1223,10 +1223,13 @@ class HybridModel:
                 if tokens[r] >= 0:
                     box = [(row.clone(), Chosen(tokens[r]))]
                     self.screen_counts["screened"] += 1
-                elif want[r] is True:
-                    self.screen_counts["full"] += 1  # the screen did not take it
-                out.append(HeadRow(row, lambda v: self._prefill_head(v)[0], self._screen_row,
-                                   box))
+                head = HeadRow(row, lambda v: self._prefill_head(v)[0], self._screen_row, box)
+                if tokens[r] == -1:
+                    # the screen did not take the row: the step wrote its logits (tandem_rows_f32,
+                    # the bits _prefill_head gives), which the HeadRow then reads
+                    self.screen_counts["full"] += 1
+                    head._logits = logits[r].clone()
+                out.append(head)
                 continue
             got = []
             for r in rows:

@@ -223,3 +223,38 @@ def test_a_resumed_turn_yields_its_tail_to_the_scheduler_and_answers_the_same(sm
     batched, kinds = turn(_twin(base), prompt, True, _engine_at(small, 50, 42))
     assert kinds[0] == "TailStep"
     assert batched == inline
+
+
+def test_a_tail_whose_last_row_the_screen_does_not_take_reads_the_logits_the_step_wrote(
+        small, monkeypatch):
+    """Where the step's screen gives a row up (-1: an input it does not take), the step writes
+    that row's logits; a tail's HeadRow then holds them, the bits the head gives the row alone
+    (and no second pass over the head when read)."""
+    from tandem.engine import DecodeStep, TailStep, decode_batch
+    from tandem.kernels.step import NativeStep
+
+    real = NativeStep.ragged
+
+    def refusing(self, x, states, ragged, positions, cos, sin, choose=None, h_out=None):
+        asked = [c is True for c in choose] if choose is not None else None
+        wants = None if choose is None else [False if c is True else c for c in choose]
+        got = real(self, x, states, ragged, positions, cos, sin, wants, h_out=h_out)
+        if asked is None or not isinstance(got, tuple):
+            return got
+        logits, tokens = got
+        return logits, [-1 if a else t for a, t in zip(asked, tokens)]
+
+    monkeypatch.setattr(NativeStep, "ragged", refusing)
+    batched = [_engine_at(small, 45, 51), _engine_at(small, 52, 52)]
+    alone = [_twin(e) for e in batched]
+    ids = (8, 90, 7)
+    got = decode_batch([DecodeStep(batched[0], 4, greedy=True), TailStep(batched[1], ids, True)])
+    head, want = got[1], alone[1].tail(ids)
+    heads = []
+    monkeypatch.setattr(type(small), "_prefill_head",
+                        lambda self, v: heads.append(1) or torch.zeros(1))
+    read = head.logits()
+    assert not heads  # the step's logits, not a second pass
+    monkeypatch.undo()
+    assert torch.equal(read, want.logits())
+    assert int(torch.argmax(got[0])) == _token(alone[0].decode(4, greedy=True))
