@@ -1024,8 +1024,11 @@ class HybridModel:
                for b, v, t in zip(blocks, verify, tail)):
             raise ValueError("a decode forwards one token, a verify block or a tail one or more")
         if any(tail):
-            return self._ragged_tails(states, blocks, positions, rope_offsets, verify, choose,
-                                      tail)
+            got = self._ragged_tails(states, blocks, positions, rope_offsets, verify, choose,
+                                     tail)
+            if got is None:
+                raise ValueError("a tail runs on the native step only")
+            return got
         if not any(verify):
             logits = self.forward_batch(states, [b[0] for b in blocks], positions,
                                         rope_offsets=rope_offsets, choose=choose)
@@ -1177,17 +1180,18 @@ class HybridModel:
     def _ragged_tails(self, states: list[ModelState], blocks: list[list[int]],
                       positions: list[int], rope_offsets: list[int] | None,
                       verify: list[bool], choose: list[bool] | None, tail: list[bool]
-                      ) -> tuple[list, list[dict[str, torch.Tensor] | None]]:
+                      ) -> tuple[list, list[dict[str, torch.Tensor] | None]] | None:
         """forward_ragged with tails among its blocks: one native step, as forward_ragged's
         native path runs it, where a tail's rows other than its last get no head at all and
-        its last row's final normed row (``h_out``) makes its HeadRow."""
+        its last row's final normed row (``h_out``) makes its HeadRow. None where the native
+        step does not take these sequences (nothing is then written)."""
+        if not self.takes_tail(states):
+            return None
         step = self._native_step()
-        if step is None or (self.graphs is not None and self.graphs.takes(self)):
-            raise ValueError("a tail runs on the native step only")
         ids = [t for b in blocks for t in b]
         x = self._embedding(torch.tensor(ids, dtype=torch.long, device=self.device))
-        if x.stride(1) != 1 or not step.fits(states):
-            raise ValueError("a tail runs on the native step only")
+        if x.stride(1) != 1:
+            return None
         ragged = _Ragged(states, blocks, verify, self.device)
         offsets = rope_offsets or [0] * len(blocks)
         at = [p + j for p, b in zip(positions, blocks) for j in range(len(b))]
@@ -1260,22 +1264,13 @@ class HybridModel:
         arithmetic: the engine takes this path only where the rows it resumed on are held to
         that gate already (Engine.prefill_steps). Returns the last position's `HeadRow` (no
         row gets a head here: the greedy token is screened when read, as a prefill's), or None
-        where the native step does not run this model or state (nothing is then written)."""
-        step = self._native_step()
-        if step is None or not token_ids or (self.graphs is not None and self.graphs.takes(self)):
+        where the native step does not run this model or state (nothing is then written).
+        The step forward_ragged runs a batch's tail in, with this one sequence."""
+        if not token_ids:
             return None
-        if not step.fits([state]):
-            return None
-        n = len(token_ids)
-        x = self._embedding(torch.tensor(token_ids, dtype=torch.long, device=self.device))
-        if x.stride(1) != 1:
-            return None
-        ragged = _Ragged([state], [list(token_ids)], [False], self.device)
-        at = [start + j for j in range(n)]
-        cos, sin = self._native_rope([p + rope_offset for p in at])
-        h = torch.empty(n, x.shape[1], dtype=torch.float32)
-        step.ragged(x, [state], ragged, at, cos, sin, [None] * n, h_out=h)
-        return HeadRow(h[-1:].clone(), lambda row: self._prefill_head(row)[0], self._screen_row)
+        got = self._ragged_tails([state], [list(token_ids)], [start], [rope_offset], [False],
+                                 None, [True])
+        return None if got is None else got[0][0]
 
     def _native_step(self) -> "native_step.NativeStep | None":
         """The whole decode step as one native call (tandem.kernels.step), where this model's
