@@ -866,15 +866,18 @@ class Engine:
             scorer = PromptScorer(torch.as_tensor(list(prompt_ids), dtype=torch.long),
                                   params.prompt_logprobs)
         self.resume_at(reuse)
+        processors = LogitsProcessors.for_params(params)
+        num_top = params.logprobs
+        # A decode step that wants its greedy token alone: nothing reads its logits then.
+        greedy_only = (params.greedy and processors is None and grammar is None
+                       and num_top is None)
         t0 = time.perf_counter()
         if logits is None:
             placed = images.place(prompt_ids, reuse) if images is not None else None
-            prefill = self.prefill_steps(
-                prompt_ids, on_chunk=on_chunk, scorer=scorer, images=placed,
-                row=getattr(self.model, "chooses", False),
-                batch_tail=(params.greedy and grammar is None and params.logprobs is None
-                            and LogitsProcessors.for_params(params) is None)
-                if batch_tail else None)
+            prefill = self.prefill_steps(prompt_ids, on_chunk=on_chunk, scorer=scorer,
+                                         images=placed,
+                                         row=getattr(self.model, "chooses", False),
+                                         batch_tail=greedy_only if batch_tail else None)
             if stop_prefill is not None:
                 prefill = _stoppable(prefill, stop_prefill)
             logits = yield from prefill
@@ -889,13 +892,11 @@ class Engine:
                 on_prefill(logits)
         t1 = time.perf_counter()
         sampler = Sampler(params)
-        processors = LogitsProcessors.for_params(params)
         out: list[int] = []
         context = list(prompt_ids)
         finish, stop_token = "length", None
         stops = set(params.stop_token_ids)
         drafted = accepted = 0
-        num_top = params.logprobs
         logprobs: list[TokenLogprob] | None = None if num_top is None else []
 
         def scored(logits: torch.Tensor, token: int) -> TokenLogprob | None:
@@ -942,9 +943,6 @@ class Engine:
                 return grammar.choose(logits, so_far, len(out), params.greedy, argmax, sampler)
             return sampler(logits)
 
-        # A decode step that wants its greedy token alone: nothing reads its logits then.
-        greedy_only = (params.greedy and processors is None and grammar is None
-                       and num_top is None)
         if isinstance(logits, HeadRow):  # the prompt's last position: its logits when read
             logits = logits.choose() if greedy_only else logits.logits()
         token = target(logits, out) if params.max_tokens > 0 else None
