@@ -22,6 +22,7 @@ from tandem.cache.vocabulary import FinishReason
 from tandem.logprobs import PromptScorer, TokenLogprob, score
 from tandem.models.base import CacheState, Chosen, Cost, HeadRow, Model, ModelError
 from tandem.models.image_keys import KEY_BASE, rope_delta
+from tandem.models.rows import rows_written
 from tandem.tokens import common_prefix
 
 if TYPE_CHECKING:
@@ -527,6 +528,7 @@ class Engine:
             self.taint = pending.taint_before
         else:
             pending.index = n - pending.start - 1
+        rows_written(self.state.views, n)
         del self.token_ids[n:]
         return True
 
@@ -540,6 +542,7 @@ class Engine:
         none is); left out, the taint of the rows in place is kept below ``n``. Outside this
         class, taint changes only here.
         """
+        rows_written(self.state.views, n)  # a forward writes from n: borrowers above copy now
         if token_ids is None and n == self.length:
             self.settle()
         else:

@@ -1,5 +1,11 @@
+import os
 import sys
 from pathlib import Path
+
+# Every snapshot that lends a slot's rows keeps a witness copy and checks it on every read
+# (tandem.cache.copies.CHECK_LENT), here and in the servers the tests start: a path that writes
+# a slot's rows without telling its borrowers fails whichever test runs it.
+os.environ.setdefault("TANDEM_CHECK_LENT", "1")
 
 import pytest
 import torch

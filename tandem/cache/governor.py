@@ -41,6 +41,7 @@ import structlog
 
 from tandem.cache.memory import LEVELS, MemoryAccountant
 from tandem.models.base import Cost
+from tandem.models.rows import lent_nbytes
 
 log = structlog.get_logger()
 
@@ -159,7 +160,9 @@ class _Mallinfo2(ctypes.Structure):
 class CpuAllocator:
     """The process on a CPU: anonymous resident pages from /proc/self/statm (resident less
     shared, i.e. less file pages), glibc's free blocks (mallinfo2) as the reserve, and
-    malloc_trim to give them back."""
+    malloc_trim to give them back. Held counts the rows lent to the caches too
+    (tandem.models.rows.lent_nbytes): a write over a slot's rows copies them at any time, so
+    the limits are kept as if they were copied already."""
 
     device = "cpu"
 
@@ -181,7 +184,7 @@ class CpuAllocator:
     def measure(self) -> Reading:
         with open("/proc/self/statm") as f:
             fields = f.read().split()
-        held = (int(fields[1]) - int(fields[2])) * self._page
+        held = (int(fields[1]) - int(fields[2])) * self._page + lent_nbytes()
         reserve = 0
         if self._libc is not None and self._mallinfo2 is not None:
             reserve = min(int(self._mallinfo2().fordblks), held)
@@ -528,6 +531,8 @@ class MemoryGovernor:
                              "peak": self._limits.peak_nbytes,
                              "slack": self._limits.slack_nbytes},
             "held_bytes": reading.held_nbytes, "reserve_bytes": reading.reserve_nbytes,
+            # the caches' rows still read in their slots (in held on a CPU, not yet copied)
+            "lent_bytes": lent_nbytes(),
             "machine_bytes": self.allocator.total_nbytes(),
             "levels": self.level_nbytes(), "levels_order": list(LEVELS),
             "shed_total": dict(s.shed_total), "shed_bytes": dict(s.shed_nbytes),

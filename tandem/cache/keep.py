@@ -23,6 +23,7 @@ from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.devices import host_clone
 from tandem.models.base import CacheState
+from tandem.models.rows import rows_written
 from tandem.tokens import common_prefix
 
 
@@ -151,6 +152,7 @@ def plan_park(state: CacheState, head: int, anchors: dict[int, SectionsCopy], en
 
 def swap_rows(state: CacheState, buffer: RowsCopy, start: int, stop: int) -> None:
     """Exchange rows [start, stop) in place with ``buffer``'s, ``SWAP_BLOCK`` rows at a time."""
+    rows_written(state.views, start)
     for a in range(start, stop, SWAP_BLOCK):
         b = min(stop, a + SWAP_BLOCK)
         for name, view in state.views.items():

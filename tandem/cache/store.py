@@ -36,7 +36,7 @@ from typing import Callable, Protocol, Sequence
 
 import structlog
 
-from tandem.cache.copies import RowsCopy, SectionsCopy
+from tandem.cache.copies import LentRows, RowsCopy, SectionsCopy
 from tandem.cache.memory import MemoryAccountant
 from tandem.cache.namespace import SHARED, Namespace
 from tandem.cache.resident import SequenceEngine
@@ -60,7 +60,7 @@ class StoreEntry:
     key_ids: list[int]  # the tokens of rows [0, n)
     kind: str  # "prefix" or "session"
     sections: SectionsCopy
-    rows: RowsCopy
+    rows: RowsCopy | LentRows  # lent by the slot it was taken from while that slot keeps them
     taint: int | None  # the lowest row decoding wrote (session snapshots), None: all prefill
     nbytes: int
     key_hash: int
@@ -553,7 +553,7 @@ class StateStore:
             eng.settle()
             state = eng.cache_state()
             entry = StoreEntry(key_ids=key_ids, kind=kind, sections=SectionsCopy.take(state),
-                               rows=RowsCopy.take(state, 0, n),
+                               rows=LentRows.take(state, 0, n),
                                taint=taint if taint is not None and taint < n else None,
                                nbytes=nbytes, key_hash=self.hash_fn(key_ids),
                                namespace=namespace)

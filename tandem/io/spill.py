@@ -96,6 +96,7 @@ from tandem.io.turns import IoTurns
 from tandem.kernels.blocksums import block_sums, host_sums, sections_sums, views_block_sums
 from tandem.kernels.planes import cut_planes
 from tandem.models.base import CacheState
+from tandem.models.rows import rows_written
 from tandem.tokens import common_prefix
 from tandem.torch_thread import one_openmp_thread_here
 
@@ -1032,6 +1033,7 @@ class SessionSpill:
         todo = [b for b in m.blocks if b.start < line and b.stop > in_place]
         skipped = sum(1 for b in m.blocks if b.start < line and b.stop <= in_place)
         intact_below = todo[0].start if todo else line
+        rows_written(state.views, intact_below)  # borrowers of the rows it writes copy first
         nbytes = 0
         try:
             # The layouts, before a byte is read: the state's views and sections against the

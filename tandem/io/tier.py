@@ -53,6 +53,7 @@ from tandem.io.tierfile import (Loaded, MissingFile, Section, Staging, TierFileE
 from tandem.io.tierindex import AnchorEntry, ChunkEntry, TierIndex, scan
 from tandem.io.write_guard import WriteGuard, make_write_guard
 from tandem.models.base import CacheState, View
+from tandem.models.rows import rows_written
 from tandem.torch_thread import one_openmp_thread_here
 
 log = structlog.get_logger("tandem.disk")
@@ -280,6 +281,9 @@ class DiskTier:
         was (its sections and its rows below ``start``); rows above ``start`` may hold rows of
         files that passed, and no read sees a row above the length."""
         keys = list(offer.chunk_keys_to_read)
+        # rows from the first chunk's start are written (on the checkers too): borrowers of
+        # rows above it copy them first, here, before any thread writes
+        rows_written(state.views, offer.first_chunk * self.grid)
         with self._lock:
             for k in keys + [offer.anchor_key]:
                 self._reading[k] = self._reading.get(k, 0) + 1

@@ -13,6 +13,14 @@ window)`` of each index of the axes before the token axis are one contiguous byt
 whole pages are released; the page that also holds row ``start - 1`` stays. A view that is not
 contiguous, not on a CPU, or on a platform without ``madvise`` is left as it is, and the result
 says which and why.
+
+Rows may also be *lent* (``lend``): a cache entry that would copy rows ``[0, stop)`` of a live
+sequence refers to them instead, while the sequence keeps them as they are. Every write of a
+sequence's rows at or above some row first calls ``rows_written(views, start)``, which has each
+borrower of rows above ``start`` take its copy then, from the rows still intact: the engine
+when its length goes back (a forward writes at the length and above), every restore into a
+sequence, the park's swaps and ``release_rows``. A borrower thus holds the very bits it would
+have copied when lent, and the machine holds them once while the sequence keeps them.
 """
 
 from __future__ import annotations
@@ -22,7 +30,10 @@ import ctypes.util
 import math
 import mmap
 import sys
+import threading
+import weakref
 from dataclasses import dataclass, field
+from typing import Mapping, Protocol
 
 import torch
 
@@ -102,6 +113,7 @@ def view_ranges(view: View, start: int) -> list[tuple[int, int]]:
 
 def release_rows(state: ModelState, start: int) -> Released:
     """Give back the pages of every view that hold only rows at or above ``start``."""
+    rows_written(state.views, start)
     nbytes = 0
     skipped: dict[str, str] = {}
     for name, view in state.views.items():
@@ -132,3 +144,67 @@ def resident_nbytes(tensor: torch.Tensor) -> int | None:
     if libc.mincore(ctypes.c_void_p(lo), hi - lo, vec) != 0:
         return None
     return sum(b & 1 for b in vec) * PAGE
+
+
+# -- rows lent to a cache ------------------------------------------------------------------------
+
+class Borrower(Protocol):
+    """What borrows rows ``[0, stop)`` of a sequence (tandem.cache.copies.LentRows)."""
+
+    stop: int
+
+    @property
+    def lent(self) -> bool: ...  # still reading the sequence's rows (no copy of its own yet)
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def take_copy(self) -> None: ...  # copy the rows now, from the sequence's intact rows
+
+
+# The lock every borrower's read of a sequence's rows and every ``rows_written`` hold: a
+# restore on the spill writer's thread may write a slot's rows while the engine thread reads a
+# borrower's rows from that slot; the borrower copies first, then the write goes on.
+LENDING_LOCK = threading.RLock()
+_LENT: dict[int, list] = {}  # id(views dict) -> [weakref to a Borrower], oldest first
+
+
+def lend(views: Mapping[str, View], borrower: Borrower) -> None:
+    """Register ``borrower`` as reading rows ``[0, borrower.stop)`` of the sequence whose views
+    these are (the dict a ``ModelState`` and its ``CacheState`` share); it keeps ``views``
+    alive itself, so the key is not reused while it lives."""
+    with LENDING_LOCK:
+        live = [r for r in _LENT.get(id(views), ()) if (b := r()) is not None and b.lent]
+        live.append(weakref.ref(borrower))
+        _LENT[id(views)] = live
+
+
+def rows_written(views: Mapping[str, View], start: int) -> int:
+    """Rows at or above ``start`` of this sequence are about to be written (or given back):
+    every live borrower of rows above ``start`` takes its copy first. Returns how many did."""
+    key = id(views)
+    if key not in _LENT:  # unlocked peek: only the engine's threads lend or write rows
+        return 0
+    taken = 0
+    with LENDING_LOCK:
+        keep = []
+        for ref in _LENT.pop(key, ()):
+            b = ref()
+            if b is None or not b.lent:
+                continue
+            if b.stop > start:
+                b.take_copy()
+                taken += 1
+            else:
+                keep.append(ref)
+        if keep:
+            _LENT[key] = keep
+    return taken
+
+
+def lent_nbytes() -> int:
+    """Bytes borrowers would copy were every sequence's rows written now: what the caches count
+    and do not hold yet (the memory governor adds them to what it measures)."""
+    with LENDING_LOCK:
+        return sum(b.nbytes for refs in _LENT.values() for r in refs
+                   if (b := r()) is not None and b.lent)

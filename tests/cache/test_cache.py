@@ -90,13 +90,13 @@ def test_room_is_reserved_before_a_snapshot_is_cloned(model, monkeypatch):
     one = probe.store.snapshot_nbytes(256)
     rig = StoreRig(model, store_nbytes=2 * one + one // 2)
     seen = []
-    take = store_module.RowsCopy.take
+    take = store_module.LentRows.take
 
     def watching(state, start, stop):
         seen.append((rig.memory.held["store"], len(rig.core)))
         return take(state, start, stop)
 
-    monkeypatch.setattr(store_module.RowsCopy, "take", staticmethod(watching))
+    monkeypatch.setattr(store_module.LentRows, "take", staticmethod(watching))
     for seed in (1, 2, 3):
         rig.prefill(tokens(v, 300, seed))
     # At every clone the bytes were already held, and the third was made room for (the LRU

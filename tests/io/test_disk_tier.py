@@ -385,3 +385,26 @@ def test_the_tiers_crc32_is_zlibs(hybrid):
     data = os.urandom(3 << 20)
     assert tierfile.crc32(data) == zlib.crc32(data)
     assert tierfile.crc32(data[7:], 12345) == zlib.crc32(data[7:], 12345)
+
+
+def test_a_restore_into_a_slot_whose_rows_are_lent_copies_them_first(root, model, monkeypatch):
+    """A store snapshot lent by a slot (tandem.cache.copies.LentRows) is copied before the disk
+    restore writes that slot's rows, on the checkers or here: restored elsewhere afterwards it
+    gives the rows the slot held when it was taken (the witness check off, so the bits fail)."""
+    import tandem.cache.copies as copies
+
+    monkeypatch.setattr(copies, "CHECK_LENT", False)
+    prompt = tokens(model.vocab_size, 4 * GRID + 9, 1)
+    tier = make_tier(root)
+    cold, want, _ = write_plan(tier, model, prompt, head_plan(tier, prompt))
+    slot = engine(model)
+    slot.prefill(tokens(model.vocab_size, 3 * GRID, 2))
+    held = {n: v.rows(0, 3 * GRID).clone() for n, v in slot.cache_state().views.items()}
+    lent = copies.LentRows.take(slot.cache_state(), 0, 3 * GRID)
+    restore_fresh(tier, model, prompt, tier.offer(prompt, SHARED, start=0), eng=slot)
+    assert not lent.lent
+    assert_same_as_cold(slot, cold, prompt, want)
+    elsewhere = engine(model)
+    lent.restore(elsewhere.cache_state())
+    for n, v in elsewhere.cache_state().views.items():
+        assert torch.equal(v.rows(0, 3 * GRID), held[n]), n

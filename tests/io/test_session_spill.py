@@ -517,3 +517,26 @@ def test_rows_on_the_device_are_summed_there_and_come_back_bit_for_bit(hybrid_bf
     assert_sections_equal(fresh.sections, dev.sections)
     for line, copy in got.anchors.items():
         assert_sections_equal(copy, anchors[line])
+
+
+def test_a_restore_into_a_slot_whose_rows_are_lent_copies_them_first(hybrid, spill, monkeypatch):
+    """A store snapshot lent by a slot (tandem.cache.copies.LentRows) is copied before the
+    spill's restore writes that slot's rows: restored elsewhere afterwards it gives the rows
+    the slot held when it was taken (the witness check off, so the bits fail)."""
+    import tandem.cache.copies as copies
+
+    monkeypatch.setattr(copies, "CHECK_LENT", False)
+    conv = Conversation(hybrid, tokens(hybrid.vocab_size, 300, 1), decoded=21)
+    meta = meta_of(taint=conv.engine.taint)
+    conv.save(spill, meta)
+    slot = Engine(hybrid, window=640, prefix_chunk=GRID)
+    slot.prefill(tokens(hybrid.vocab_size, 200, 2))
+    held = {n: v.rows(0, 200).clone() for n, v in slot.cache_state().views.items()}
+    lent = copies.LentRows.take(slot.cache_state(), 0, 200)
+    got = spill.restore(meta.entry_id, slot.cache_state(), slot.token_ids)
+    assert not lent.lent
+    assert_rows_equal(conv.engine, slot, got.line)
+    elsewhere = Engine(hybrid, window=640, prefix_chunk=GRID)
+    lent.restore(elsewhere.cache_state())
+    for n, v in elsewhere.cache_state().views.items():
+        assert torch.equal(v.rows(0, 200), held[n]), n
