@@ -100,8 +100,14 @@ class LentRowsChanged(AssertionError):
 
 class LentRows:
     """Rows ``[0, stop)`` of a live sequence, read in place until it writes over them; then a
-    ``RowsCopy`` of them taken just before (``take_copy``, from ``rows_written``). Restored as a
-    ``RowsCopy`` is: into the sequence that lent them it writes nothing (they are in place)."""
+    copy of them taken just before (``take_copies``, from ``rows_written``). Restored as a
+    ``RowsCopy`` is: into the sequence that lent them it writes nothing (they are in place).
+
+    The borrowers of one sequence that copy at one write (a conversation's snapshots, turn
+    after turn, when it leaves its slot) copy each row once: the copy is cut into segments at
+    their stops, ``[0, s1)``, ``[s1, s2)``, ..., and a borrower holds the segments below its
+    stop. What the copies hold is then the longest living borrower's rows, never more than the
+    sum the store counts for them, and a segment goes with the last borrower that holds it."""
 
     start = 0
 
@@ -109,7 +115,7 @@ class LentRows:
         self.stop = stop
         self._views = state.views
         self._row_nbytes = state.row_nbytes()
-        self._copy: RowsCopy | None = None
+        self._copy: tuple[RowsCopy, ...] | None = None  # its segments, once copied
         self._witness = RowsCopy.take(state, 0, stop) if CHECK_LENT else None
         lend(state.views, self)
 
@@ -139,16 +145,26 @@ class LentRows:
                 raise LentRowsChanged(f"rows of view {name!r} below {self.stop} were written "
                                       "over while lent")
 
-    def take_copy(self) -> None:
-        """Copy the rows from the sequence now, before it writes over them (``rows_written``,
-        under the lending lock)."""
+    @classmethod
+    def take_copies(cls, group: "list[LentRows]") -> None:
+        """Copy the rows of borrowers of one sequence now, before it writes over them
+        (``rows_written``, under the lending lock): each row once, in segments cut at their
+        stops."""
         with LENDING_LOCK:
-            if self._copy is not None:
-                return
-            self._check()
-            self._copy = RowsCopy(0, self.stop, {name: host_clone(v.rows(0, self.stop))
-                                                 for name, v in self._views.items()})
-            self._witness = None
+            group = sorted((b for b in group if b._copy is None), key=lambda b: b.stop)
+            segments: list[RowsCopy] = []
+            below = 0
+            for b in group:
+                b._check()
+                if b.stop > below:
+                    segments.append(RowsCopy(below, b.stop, {
+                        name: host_clone(v.rows(below, b.stop)) for name, v in b._views.items()}))
+                    below = b.stop
+                b._copy = tuple(segments)
+                b._witness = None
+
+    def take_copy(self) -> None:
+        self.take_copies([self])
 
     def restore(self, state: CacheState, start: int | None = None, stop: int | None = None) -> None:
         """Write rows [start, stop) (default: all held) into ``state``, as ``RowsCopy.restore``."""
@@ -162,7 +178,10 @@ class LentRows:
         rows_written(state.views, start)  # the target's own borrowers copy first
         with LENDING_LOCK:
             if self._copy is not None:
-                self._copy.restore(state, start, stop)
+                for segment in self._copy:
+                    a, b = max(start, segment.start), min(stop, segment.stop)
+                    if a < b:
+                        segment.restore(state, a, b)
                 return
             self._check()
             for name, v in state.views.items():

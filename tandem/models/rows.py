@@ -159,7 +159,8 @@ class Borrower(Protocol):
     @property
     def nbytes(self) -> int: ...
 
-    def take_copy(self) -> None: ...  # copy the rows now, from the sequence's intact rows
+    @classmethod
+    def take_copies(cls, group: list) -> None: ...  # copy them now, from the intact rows
 
 
 # The lock every borrower's read of a sequence's rows and every ``rows_written`` hold: a
@@ -185,21 +186,25 @@ def rows_written(views: Mapping[str, View], start: int) -> int:
     key = id(views)
     if key not in _LENT:  # unlocked peek: only the engine's threads lend or write rows
         return 0
-    taken = 0
     with LENDING_LOCK:
-        keep = []
-        for ref in _LENT.pop(key, ()):
+        keep, copy = [], []
+        for ref in _LENT.get(key, ()):
             b = ref()
             if b is None or not b.lent:
                 continue
             if b.stop > start:
-                b.take_copy()
-                taken += 1
+                copy.append(b)
             else:
                 keep.append(ref)
+        if copy:
+            # one sequence's rows, each copied once; should it raise, the write does not
+            # happen and every borrower not copied yet stays registered
+            type(copy[0]).take_copies(copy)
         if keep:
             _LENT[key] = keep
-    return taken
+        else:
+            _LENT.pop(key, None)
+    return len(copy)
 
 
 def lent_nbytes() -> int:

@@ -209,3 +209,44 @@ def test_the_governor_holds_lent_rows_as_copied(model, no_witness, monkeypatch):
     assert lent_nbytes() == with_lent - lent.nbytes
     monkeypatch.setattr(governor, "lent_nbytes", lambda: 1 << 40)
     assert CpuAllocator().measure().held_nbytes > 1 << 40
+
+
+def test_borrowers_copied_at_one_write_copy_each_row_once(model, no_witness):
+    """A conversation's snapshots, turn after turn, copied when its slot is taken: the copies
+    hold the longest one's rows once, in segments, and each restores its own rows."""
+    engine = _engine(model, tokens(model.vocab_size, 300, 1))
+    stops = (64, 150, 300)
+    want = {n: _rows(engine, n) for n in stops}
+    lent = [LentRows.take(engine.cache_state(), 0, n) for n in stops]
+    engine.resume_at(0)
+    _engine_rows = engine.cache_state().row_nbytes()
+    held = {id(t.untyped_storage()): t.numel() * t.element_size()
+            for b in lent for seg in b._copy for t in seg.tensors.values()}
+    assert sum(held.values()) == 300 * _engine_rows  # not (64 + 150 + 300) rows
+    engine.prefill(tokens(model.vocab_size, 300, 2))  # the slot writes over every row
+    for b, n in zip(lent, stops):
+        assert not b.lent and b.nbytes == n * _engine_rows
+        other = Engine(model, window=1024, prefix_chunk=CHUNK)
+        b.restore(other.cache_state())
+        _assert_rows(other, want[n])
+    del lent[2]  # the longest goes: its own segment with it, the two below stay held
+    held = {id(t.untyped_storage()) for b in lent for seg in b._copy for t in seg.tensors.values()}
+    assert len(held) == 2 * len(want[64])
+
+
+def test_a_copy_that_fails_leaves_its_borrowers_lent_and_the_rows_unwritten(model, no_witness,
+                                                                            monkeypatch):
+    engine = _engine(model, tokens(model.vocab_size, 200, 1))
+    lent = LentRows.take(engine.cache_state(), 0, 128)
+
+    def refuse(*_):
+        raise MemoryError("no room for the copy")
+
+    clone = copies.host_clone
+    monkeypatch.setattr(copies, "host_clone", refuse)
+    with pytest.raises(MemoryError):
+        engine.resume_at(64)
+    assert lent.lent and engine.length == 200
+    monkeypatch.setattr(copies, "host_clone", clone)
+    engine.resume_at(64)  # now it copies
+    assert not lent.lent
