@@ -49,6 +49,7 @@ class SuffixActor(Actor):
         self._open_store = open_store
         self.store: PersistentSuffixStore | None = None
         self.refused: str | None = None  # why the store was not opened
+        self.append_failures = 0  # appends whose file write failed (OSError), not kept
         self._executor: ThreadPoolExecutor | None = None
         self._rebuild: asyncio.Task | None = None
 
@@ -85,6 +86,13 @@ class SuffixActor(Actor):
                         # the store and every other request go on.
                         log.warning("suffix_append_refused", tokens=len(msg.prompt_ids)
                                     + len(msg.output_ids))
+                        return None
+                    except OSError as e:
+                        # its file could not be written (a full disk, its folder gone): that
+                        # request's text is not kept, and the store and the server go on
+                        self.append_failures += 1
+                        log.warning("suffix_append_failed", error=type(e).__name__,
+                                    errno=e.errno)
                         return None
                     self._schedule_rebuild()
                 return None
@@ -124,4 +132,5 @@ class SuffixActor(Actor):
         stats = self.store.statistics()
         return {"state": "readonly" if self.store.readonly else "open",
                 "rebuilding": self._rebuild is not None and not self._rebuild.done(),
+                "append_failures": self.append_failures,
                 **{k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()}}

@@ -264,9 +264,9 @@ class PersistentSuffixStore:
             self.deduped_total += len(seq)
             return 0
         start = max(parted - JOIN_NUM_TOKENS, 0)
-        self._recent.append(seq)
         doc = np.append(seq[start:], np.uint32(SEPARATOR))
-        self._append_file(doc)
+        self._append_file(doc)  # first: a write that fails (OSError) changes nothing here
+        self._recent.append(seq)
         buf, n, generation = self._log
         if n + len(doc) > len(buf):
             grown = np.empty(max(2 * len(buf), n + len(doc), 1024), np.uint32)

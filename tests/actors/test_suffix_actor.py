@@ -64,3 +64,31 @@ async def test_a_store_of_another_tokenizer_is_refused_and_appends_are_dropped(t
         assert report["state"] == "refused" and "tokenizer" in report["reason"]
         await harness.ask("suffix", SuffixAppend([5, 6, 7], [8]))
     assert (tmp_path / "suffix" / "tokens.u32").read_bytes() == before
+
+
+async def test_an_append_whose_file_write_fails_is_dropped_and_the_store_goes_on(tmp_path):
+    """A full disk, or the store's folder deleted under the server: that request's tokens are
+    not kept, nothing of them is, and the actor (hence the system) and the next append go on."""
+    import errno
+    import shutil
+
+    harness, actor = system(tmp_path)
+    async with harness:
+        await harness.ask("suffix", SuffixAppend([1, 2, 3, 4, 5, 6], [7, 8, 9]))
+        store = actor.store
+        write = store._append_file
+
+        def full(tokens):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        store._append_file = full
+        await harness.ask("suffix", SuffixAppend([31, 32, 33, 34, 35, 36], [37]))
+        assert store.num_tokens == 10 and actor.report()["append_failures"] == 1
+        store._append_file = write
+        shutil.rmtree(tmp_path / "suffix")  # the folder gone: open() raises FileNotFoundError
+        await harness.ask("suffix", SuffixAppend([41, 42, 43, 44, 45, 46], [47]))
+        assert actor.report()["append_failures"] == 2 and actor.report()["state"] == "open"
+        (tmp_path / "suffix").mkdir()
+        await harness.ask("suffix", SuffixAppend([31, 32, 33, 34, 35, 36], [37]))
+        await actor.wait_indexed()
+        assert store.lookup([33, 34, 35], 2) == [36, 37]
