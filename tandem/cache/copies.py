@@ -163,9 +163,6 @@ class LentRows:
                 b._copy = tuple(segments)
                 b._witness = None
 
-    def take_copy(self) -> None:
-        self.take_copies([self])
-
     def restore(self, state: CacheState, start: int | None = None, stop: int | None = None) -> None:
         """Write rows [start, stop) (default: all held) into ``state``, as ``RowsCopy.restore``."""
         start = 0 if start is None else start

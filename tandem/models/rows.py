@@ -180,12 +180,12 @@ def lend(views: Mapping[str, View], borrower: Borrower) -> None:
         _LENT[id(views)] = live
 
 
-def rows_written(views: Mapping[str, View], start: int) -> int:
+def rows_written(views: Mapping[str, View], start: int) -> None:
     """Rows at or above ``start`` of this sequence are about to be written (or given back):
-    every live borrower of rows above ``start`` takes its copy first. Returns how many did."""
+    every live borrower of rows above ``start`` takes its copy first."""
     key = id(views)
     if key not in _LENT:  # unlocked peek: only the engine's threads lend or write rows
-        return 0
+        return
     with LENDING_LOCK:
         keep, copy = [], []
         for ref in _LENT.get(key, ()):
@@ -204,7 +204,6 @@ def rows_written(views: Mapping[str, View], start: int) -> int:
             _LENT[key] = keep
         else:
             _LENT.pop(key, None)
-    return len(copy)
 
 
 def lent_nbytes() -> int:
