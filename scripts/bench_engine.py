@@ -17,6 +17,7 @@ writes the rows for scripts/device_check.sh's table.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import tempfile
 import time
@@ -76,15 +77,20 @@ def _oracle(path, dtype: torch.dtype, device: torch.device):
 def _oracle_decode(oracle, prompt: list[int], steps: int, device: torch.device) -> float:
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=oracle.config)
+    # transformers renamed past_key_values to cache (5.17, the lent GPU machines' image, takes
+    # the old name); a name the forward lacks goes into its **kwargs, and every step would run
+    # without the cache
+    params = inspect.signature(oracle.forward).parameters
+    name = "cache" if "cache" in params else "past_key_values"
+    kw = {name: DynamicCache(config=oracle.config)}
     with torch.inference_mode():
-        out = oracle(torch.tensor([prompt], device=device), cache=cache,
-                     use_cache=True, logits_to_keep=1)
+        out = oracle(torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1,
+                     **kw)
         token = out.logits[0, -1].argmax().view(1, 1)
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(steps):
-            out = oracle(token, cache=cache, use_cache=True)
+            out = oracle(token, use_cache=True, **kw)
             token = out.logits[0, -1].argmax().view(1, 1)
         _sync(device)
     return steps / (time.perf_counter() - t0)

@@ -144,3 +144,14 @@ def load_oracle(path: Path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def cache_kwargs(oracle, cache) -> dict:
+    """``{keyword: cache}`` for a transformers model's forward: ``cache`` where transformers has
+    renamed it (5.25 here), ``past_key_values`` before (5.17, the lent GPU machines' image). A
+    keyword the forward does not name is swallowed by its ``**kwargs``, and the model would
+    decode each token without its cache, so the name is read off the signature."""
+    import inspect
+
+    params = inspect.signature(oracle.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from oracle import VOCAB, load_oracle, make_qwen3_5_moe
+from oracle import VOCAB, cache_kwargs, load_oracle, make_qwen3_5_moe
 from tandem import kernels
 from tandem.engine import Engine, SamplingParams
 from tandem.kernels.naive import moe_naive
@@ -58,10 +58,10 @@ def test_decode_logits_match_transformers_within_1e_5_of_their_scale_at_every_st
     prompt = _prompt(4, 192)
     engine = Engine(model, window=512, prefix_chunk=64)
     logits = engine.prefill(prompt)
-    cache = DynamicCache(config=oracle.config)
+    kw = cache_kwargs(oracle, DynamicCache(config=oracle.config))
     worst = scale = 0.0
     with torch.no_grad():
-        ref = oracle(torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        ref = oracle(torch.tensor([prompt]), use_cache=True, **kw).logits[0, -1]
         tokens = []
         for _ in range(16):
             worst = max(worst, (logits - ref).abs().max().item())
@@ -69,7 +69,7 @@ def test_decode_logits_match_transformers_within_1e_5_of_their_scale_at_every_st
             tok = int(torch.argmax(ref))
             tokens.append(tok)
             logits = engine.decode(tok)
-            ref = oracle(torch.tensor([[tok]]), cache=cache, use_cache=True).logits[0, -1]
+            ref = oracle(torch.tensor([[tok]]), use_cache=True, **kw).logits[0, -1]
     assert len(set(tokens)) > 4, "a degenerate oracle run proves little"
     assert worst < 1e-5 * scale
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from oracle import VOCAB, load_oracle
+from oracle import VOCAB, cache_kwargs, load_oracle
 from tandem.engine import Engine, SamplingParams
 from tandem.models.hybrid import HybridModel
 
@@ -17,17 +17,18 @@ def _prompt(seed: int, n: int = PROMPT) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _oracle_greedy(oracle, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
-    cache = DynamicCache(config=oracle.config)
+def _oracle_greedy(oracle, prompt: list[int], steps: int,
+                   device: str = "cpu") -> tuple[torch.Tensor, list[int]]:
+    kw = cache_kwargs(oracle, DynamicCache(config=oracle.config))
     with torch.no_grad():
-        out = oracle(torch.tensor([prompt]), cache=cache, use_cache=True)
+        out = oracle(torch.tensor([prompt], device=device), use_cache=True, **kw)
         first_logits = out.logits[0, -1]
         tokens = []
         logits = first_logits
         for _ in range(steps):
             tok = int(torch.argmax(logits))
             tokens.append(tok)
-            out = oracle(torch.tensor([[tok]]), cache=cache, use_cache=True)
+            out = oracle(torch.tensor([[tok]], device=device), use_cache=True, **kw)
             logits = out.logits[0, -1]
     return first_logits, tokens
 

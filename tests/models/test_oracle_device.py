@@ -1,8 +1,8 @@
 """The hybrid adapter against transformers on a GPU (issue 20, part 5; skipped without one): both
 on the same device, fp32 with TF32 off, prefill logits within 1e-4 at the grid's cuts and the
 oracle's greedy tokens for 32 steps, decoded eagerly and through CUDA graphs; the dense model in
-bf16, its first greedy tokens. transformers takes flash-linear-attention's kernels where fla is
-installed, its torch path otherwise; either is its own reference."""
+bf16, its first greedy tokens. transformers runs its torch path (tests/conftest.py hides
+flash-linear-attention, whose kernels multiply fp32 in TF32), with TF32 off."""
 
 import pytest
 import torch
@@ -32,13 +32,7 @@ def _on_cuda(path, dtype=torch.float32):
 
 def _greedy_on(oracle, prompt, steps):
     """_oracle_greedy with the ids on the oracle's device."""
-    class OnDevice:
-        config = oracle.config
-
-        def __call__(self, ids, **kw):
-            return oracle(ids.to("cuda"), **kw)
-
-    return _oracle_greedy(OnDevice(), prompt, steps)
+    return _oracle_greedy(oracle, prompt, steps, "cuda")
 
 
 @pytest.mark.parametrize("which", MODELS)
