@@ -277,8 +277,9 @@ def test_tandem_generate_with_cuda_graphs_on_without_a_gpu_says_so_and_exits_2(t
     import sys
     from pathlib import Path
 
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     run = subprocess.run([sys.executable, "-m", "tandem", "generate", "--home", str(tmp_path),
                           "--cuda-graphs", "on", "--max-tokens", "1"],
                          env=env, capture_output=True, text=True, timeout=120)
