@@ -184,7 +184,8 @@ def _choose(xq: torch.Tensor, sx: torch.Tensor, w: Fp8Weight) -> str:
                 method = "blockwise"
             else:
                 why = "disagrees with the row-wise sum"
-        except (RuntimeError, NotImplementedError) as exc:
+        except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+            # AttributeError, TypeError: a torch without F.scaled_mm, or with another signature
             why = f"{type(exc).__name__}: {str(exc)[:120]}"
     log.info("fp8_matmul", device=str(w.device), block=list(w.block), method=method,
              **({} if method == "blockwise" else {"blockwise": why}))
