@@ -28,9 +28,10 @@ if [ "$want_test" = 1 ]; then
   pip install -q -e ".[test]"
   # Triton, for the kernels' tests under its interpreter (tests/kernels/test_triton_*.py). A CUDA
   # torch brings the triton it was built with: keep that one. --no-deps, so that nothing it
-  # names can ever pull a CUDA torch onto a CPU machine; serving never needs it on a CPU.
+  # names can ever pull a CUDA torch onto a CPU machine; serving never needs it on a CPU. 3.7 at
+  # least: an older interpreter fails our loops (tests/kernels/conftest.py skips them there).
   if ! .venv/bin/python -c "import triton" 2>/dev/null; then
-    pip install -q --no-deps "triton>=3.2" \
+    pip install -q --no-deps "triton>=3.7" \
       || echo "install.sh: triton not installed; the Triton kernels' tests will skip" >&2
   fi
   # flash-linear-attention on a GPU: transformers' Qwen3.5 / Qwen3-Next take its kernels, the
