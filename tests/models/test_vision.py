@@ -80,7 +80,20 @@ IMAGES = {
 }
 
 
-@pytest.mark.parametrize("name", list(IMAGES))
+def _transformers_before(version: tuple[int, int]) -> bool:
+    import transformers
+
+    return tuple(int(p) for p in transformers.__version__.split(".")[:2]) < version
+
+
+# 5.17 to 5.20 (5.17 is the lent GPU machines' image) composite a transparent image otherwise
+# and their tower's rows differ; tandem matches 5.21 and later, which the test extra asks for
+before_5_21 = pytest.mark.skipif(_transformers_before((5, 21)),
+                                 reason="transformers before 5.21 treats images otherwise")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=before_5_21) if n.startswith("rgba")
+                                  else n for n in IMAGES])
 def test_the_processor_gives_transformers_pixel_values_and_grid_bit_for_bit(
         name, model, oracle_processor):
     image = IMAGES[name]()
@@ -104,6 +117,7 @@ def test_smart_resize_is_transformers_over_many_sizes():
                 height, width, 32, lo, hi), (height, width, lo, hi)
 
 
+@before_5_21
 def test_decoding_a_png_composites_transparency_onto_white_as_transformers_does(
         model, oracle_processor):
     image = _noise((50, 40, 4), "RGBA", seed=4)
@@ -159,6 +173,7 @@ def test_the_digest_follows_the_pixels_not_the_bytes(model):
     assert c.digest() != a.digest()
 
 
+@before_5_21
 def test_the_tower_gives_transformers_rows_within_1e_5(model, oracle, oracle_processor):
     images = [IMAGES[name]() for name in ("noise 70x45", "rgba 64x200", "exact 64x64")]
     want = oracle_processor(images=images, return_tensors="pt")
