@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import sys
 import tempfile
 import time
 
@@ -60,6 +61,9 @@ def _read_rate(device: torch.device) -> float | None:
 def _oracle(path, dtype: torch.dtype, device: torch.device):
     """transformers on the same checkpoint, dtype and device (None without transformers), and
     whether it runs flash-linear-attention's kernels."""
+    if device.type != "cuda":
+        # fla's kernels want a GPU; transformers would take them wherever fla imports
+        sys.modules.setdefault("fla", None)
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
@@ -67,7 +71,7 @@ def _oracle(path, dtype: torch.dtype, device: torch.device):
     try:
         import fla  # noqa: F401
 
-        fla_on = device.type == "cuda"
+        fla_on = True
     except ImportError:
         fla_on = False
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()

@@ -16,21 +16,44 @@
 # Prints the table; exits 1 if a test failed, 2 without a CUDA device.
 #   bash scripts/device_check.sh            (after bash scripts/install.sh --test)
 #   MODEL=/path/to/checkpoint bash scripts/device_check.sh    (the bench on a real checkpoint)
+# On a lent machine with no .venv (its image holds torch, triton and transformers, and reaches no
+# index), python3 runs it, and the wheels of scripts/device_wheels.sh, carried in .whl/, are
+# installed into a scratch folder first where tandem's own needs are missing. Where $OUT is set,
+# the table and each group's log are written there too.
+#   DEVICE_CHECK_CPU=1 bash scripts/device_check.sh   (rehearsed on a CPU: test_device_check.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-.venv/bin/python}
-if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "device_check.sh: no CUDA device; nothing to check" >&2
-  exit 2
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
 fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+if compgen -G ".whl/*.whl" >/dev/null \
+    && ! "$py" -c "import msgspec, structlog, zstandard, llguidance" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$out/site" \
+    .whl/*.whl
+  export PYTHONPATH="$out/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # tandem from this checkout, installed or not
+"$py" -c "import sys, torch, triton, transformers; print('python', sys.version.split()[0], \
+'torch', torch.__version__, 'triton', triton.__version__, 'transformers', \
+transformers.__version__)" || true
+device=cuda interpret=0 bench_args=()
+if [ "${DEVICE_CHECK_CPU:-0}" = 1 ]; then
+  # a rehearsal of this script on a CPU: the same steps, the GPU tests skipping, the Triton
+  # tests under the interpreter, a short bench on the CPU; the table is the one a GPU prints
+  device=cpu interpret=1 bench_args=(--lengths 1024 --decode-tokens 16)
+elif ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "device_check.sh: no CUDA device; nothing to check (DEVICE_CHECK_CPU=1 rehearses it)" >&2
+  exit 2
+fi
 status=0
 started=$(date +%s)
 run() {  # run NAME SECONDS pytest-args...: one group of tests, its junit XML for the table
   local name=$1 limit=$2
   shift 2
-  TRITON_INTERPRET=0 timeout "$limit" "$py" -m pytest -q -p no:cacheprovider \
+  TRITON_INTERPRET=$interpret timeout "$limit" "$py" -m pytest -q -p no:cacheprovider \
     --junitxml="$out/$name.xml" "$@" >"$out/$name.log" 2>&1 || status=1
   tail -n 15 "$out/$name.log"
 }
@@ -43,14 +66,16 @@ run fp8 30 tests/models/test_fp8.py
 # the bench last, in what is left of the 10 minutes (at least 2)
 left=$(( 570 - ($(date +%s) - started) ))
 [ "$left" -lt 120 ] && left=120
-timeout "$left" "$py" scripts/bench_engine.py --model "${MODEL:-tiny}" --device cuda \
-  --json "$out/bench.json" >"$out/bench.log" 2>&1 || { status=1; tail -n 20 "$out/bench.log"; }
+timeout "$left" "$py" scripts/bench_engine.py --model "${MODEL:-tiny}" --device "$device" \
+  "${bench_args[@]}" --json "$out/bench.json" >"$out/bench.log" 2>&1 \
+  || { status=1; tail -n 20 "$out/bench.log"; }
 tail -n 8 "$out/bench.log"
-"$py" - "$out" <<'PY'
+( "$py" - "$out" <<'PY'
 import collections, datetime, json, os, sys, xml.etree.ElementTree as ET
 import torch
 out = sys.argv[1]
-print(f"\ndevice check {datetime.date.today()} on {torch.cuda.get_device_name()} "
+where = torch.cuda.get_device_name() if torch.cuda.is_available() else "the CPU (a rehearsal)"
+print(f"\ndevice check {datetime.date.today()} on {where} "
       f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
 print(f"| {'check':34} | {'passed':>6} | {'failed':>6} | {'skipped':>7} | {'seconds / tok/s':>30} |")
 print(f"|{'-' * 36}|--------|--------|---------|{'-' * 32}|")
@@ -84,9 +109,15 @@ if os.path.exists(bench):
     print(f"bench: tandem against {against} on {b['model']} ({b['dtype']}, graphs "
           f"{'on' if b['graphs'] else 'off'}); decode's bound is the weights "
           f"({b['weights_nbytes'] / 2**30:.2f} GiB) over the device's read rate "
-          f"({(b['read_rate_bytes_s'] or 0) / 1e9:.0f} GB/s)")
+          + (f"({b['read_rate_bytes_s'] / 1e9:.0f} GB/s)" if b["read_rate_bytes_s"]
+             else "(not measured here)"))
 else:
     print("| bench: did not finish (see above)  |        |        |         |"
           f"{'':32}|")
 PY
+) | tee "$out/table.txt"
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  cp "$out"/*.log "$out"/table.txt "$OUT"/ 2>/dev/null || true
+  [ -f "$out/bench.json" ] && cp "$out/bench.json" "$OUT"/
+fi
 exit "$status"
