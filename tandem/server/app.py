@@ -206,7 +206,9 @@ def build_app(config: Config, loaded, *, engine: Actor | None = None,
         defaults=SamplingDefaults.from_model_dir(path),
         chat_template=getattr(loaded.tokenizer, "chat_template", None),
         session_secret=load_secret(config.home_path()),
-        images=getattr(loaded.model, "images", None))
+        images=getattr(loaded.model, "images", None),
+        device=str(getattr(loaded.model, "device", "cpu")),
+        dtype=str(getattr(loaded.model, "dtype", "")).removeprefix("torch."))
     metrics.gauge("tandem_engine_rows_in_place", "Rows (tokens) in the engine's buffers.",
                   lambda: engine.snapshot().get("rows_in_place") or 0)
     metrics.gauge("tandem_requests_waiting", "Requests waiting for the engine.",
@@ -479,7 +481,8 @@ async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "stopped"}, status=503)
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
-    body = {"status": "ok", "model": state.model_name, **template_report(state)}
+    body = {"status": "ok", "model": state.model_name, "device": state.device,
+            "dtype": state.dtype, **template_report(state)}
     suffix = request.app[SUFFIX]
     if suffix is not None:
         body["suffix_store"] = suffix.report()  # rebuild_ms_total and rebuild_ms_last with it

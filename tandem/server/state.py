@@ -60,6 +60,9 @@ class ServerState:
     # The compaction requests' counters (tandem.server.compaction.CompactionCounts).
     compaction: Any = None
     images: Any = None  # the model's vision tower and processor (vision.ImageSupport); None: none
+    # where the model runs and its weights' dtype, as /health reports them ("cuda:0", "bfloat16")
+    device: str = "cpu"
+    dtype: str = ""
 
     def __post_init__(self) -> None:
         if self.compaction is None:
