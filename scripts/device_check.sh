@@ -10,6 +10,8 @@
 #     tokens, eager and through CUDA graphs), the graphs' replays against eager steps
 #     (tests/models/test_graphs.py) and the capture race (tests/actors/test_capture_graphs.py:
 #     captures under a writer copying back to back); native FP8 (tests/models/test_fp8.py);
+#   - the server on the device through its HTTP API (scripts/serve_check.py): /health names the
+#     device, a chat and its next turn answer 200, the second resumed from the first's rows;
 #   - scripts/bench_engine.py on the device: prefill tok/s at 1k/8k/32k and decode tok/s, tandem
 #     against transformers on the same checkpoint in the same run (flash-linear-attention where
 #     installed), decode against the bound (the weights' bytes over the device's read rate).
@@ -63,6 +65,10 @@ run device 60 tests/test_device.py tests/actors/test_spill_writer.py -k "device 
 run oracle 60 tests/models/test_oracle_device.py
 run graphs 60 tests/models/test_graphs.py tests/actors/test_capture_graphs.py -k "cuda"
 run fp8 30 tests/models/test_fp8.py
+# the server on the device, through its HTTP API: a chat and its next turn, resumed in place
+timeout 300 "$py" scripts/serve_check.py --device "$device" --json "$out/serve.json" \
+  >"$out/serve.log" 2>&1 || status=1
+tail -n 5 "$out/serve.log"
 # the bench last, in what is left of the 10 minutes (at least 2)
 left=$(( 570 - ($(date +%s) - started) ))
 [ "$left" -lt 120 ] && left=120
@@ -94,6 +100,16 @@ for group in ("kernels", "device", "oracle", "graphs", "fp8"):
     for name, r in rows.items():
         print(f"| {name:34} | {r['passed']:6} | {r['failure'] + r['error']:6} | "
               f"{r['skipped']:7} | {r['seconds']:30.1f} |")
+serve = os.path.join(out, "serve.json")
+if os.path.exists(serve):
+    s = json.load(open(serve))
+    second = (s["turns"][1]["cache"] or {}) if len(s["turns"]) > 1 else {}
+    cell = (f"{second.get('tier')} {second.get('source')}, {second.get('cached')} cached"
+            if s["ok"] else str(s.get("error"))[:30])  # the second turn's resume
+    label = f"serve on {s.get('device')} ({s.get('dtype')})"
+    print(f"| {label:34} | {int(s['ok']):6} | {int(not s['ok']):6} | {0:7} | {cell:>30} |")
+else:
+    print(f"| {'serve: did not finish':34} | {'':>6} | {'':>6} | {'':>7} | {'':>30} |")
 bench = os.path.join(out, "bench.json")
 if os.path.exists(bench):
     b = json.load(open(bench))
@@ -117,7 +133,9 @@ else:
 PY
 ) | tee "$out/table.txt"
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  cp "$out"/*.log "$out"/table.txt "$OUT"/ 2>/dev/null || true
-  [ -f "$out/bench.json" ] && cp "$out/bench.json" "$OUT"/
+  # four files at most (a lent machine sends back eight): the table, the logs in one, the JSON
+  cp "$out/table.txt" "$OUT"/
+  for log in "$out"/*.log; do echo "== $(basename "$log")"; cat "$log"; done >"$OUT/logs.txt"
+  for j in bench serve; do if [ -f "$out/$j.json" ]; then cp "$out/$j.json" "$OUT"/; fi; done
 fi
 exit "$status"

@@ -1,7 +1,8 @@
 """scripts/device_check.sh rehearsed on the CPU (DEVICE_CHECK_CPU=1): a lent GPU machine gives a
 session minutes, so the script itself must not be what fails there. The same steps run (each
-group's pytest, the bench, the table, the copies to $OUT); the GPU tests skip, and the table
-must name every group and the bench's rows."""
+group's pytest, the server through HTTP, the bench, the table, the copies to $OUT); the GPU
+tests skip, and the table must name every group with nothing failed, the server's two turns
+(the second resumed in place) and the bench's rows."""
 
 from __future__ import annotations
 
@@ -36,5 +37,13 @@ def test_the_device_check_rehearsed_on_the_cpu_prints_its_table_and_fills_out(tm
     assert [r["row"] for r in bench["rows"]] == ["prefill 1k", "decode 1k"]
     for r in bench["rows"]:
         assert r["tandem_tok_s"] > 0 and f"bench tiny {r['row']}" in table
-    for log in ("kernels", "device", "oracle", "graphs", "fp8", "bench"):
-        assert (out / f"{log}.log").stat().st_size > 0, log
+    serve = json.loads((out / "serve.json").read_text())
+    assert serve["ok"] and serve["device"] == "cpu" and serve["resumed"], serve
+    assert [t["status"] for t in serve["turns"]] == [200, 200]
+    assert serve["turns"][1]["cache"]["tier"] == "resident"
+    assert "serve on cpu (float32)" in table and "resident end" in rows["serve on cpu (float32)"]
+    logs = (out / "logs.txt").read_text()
+    for log in ("kernels", "device", "oracle", "graphs", "fp8", "serve", "bench"):
+        assert f"== {log}.log" in logs, log
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench.json", "logs.txt", "serve.json", "table.txt"]  # a lent machine sends back 8
