@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -119,6 +120,8 @@ def main() -> None:
                     help="how long the server may take to answer /health")
     ap.add_argument("--json", default=None, help="write what was seen here as JSON")
     args = ap.parse_args()
+    # stopped by a timeout: unwind, so that the server is stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     seen = check(args.device, args.up_seconds)
     if args.json:
         Path(args.json).write_text(json.dumps(seen))

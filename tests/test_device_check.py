@@ -47,3 +47,20 @@ def test_the_device_check_rehearsed_on_the_cpu_prints_its_table_and_fills_out(tm
         assert f"== {log}.log" in logs, log
     assert sorted(p.name for p in out.iterdir()) == [
         "bench.json", "logs.txt", "serve.json", "table.txt"]  # a lent machine sends back 8
+
+
+def test_a_check_out_of_time_skips_what_is_left_and_still_prints_its_table(tmp_path):
+    # a budget of 10 s leaves nothing after the 10 s margin: every step is skipped or cut to
+    # one second, and the table still comes out (on a lent machine, before its limit kills it)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, DEVICE_CHECK_CPU="1", DEVICE_CHECK_SECONDS="10",
+               PYTHON=sys.executable, OUT=str(out), TANDEM_HOME=str(tmp_path / "home"))
+    run = subprocess.run(["bash", "scripts/device_check.sh"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stdout[-4000:] + run.stderr[-4000:]
+    table = (out / "table.txt").read_text()
+    for group in ("kernels", "device", "oracle", "graphs", "fp8"):
+        assert f"| {group}: did not run" in table, table
+    assert "bench: did not finish" in table
+    assert "skipped, out of time" in (out / "logs.txt").read_text()
