@@ -36,6 +36,13 @@ A generation that called a tool from inside its unclosed reasoning (Qwen3.5 does
 back: the region's ``think_close`` is then its ``<tool_call>`` row (``closed_by_call``), before
 which the rows read as holding ``</think>``.
 
+A generation that thought and never closed its reasoning (``max_tokens`` or a client's stop
+came first) wrote nothing but reasoning: its whole region is left out where the copy lacks it
+(Open WebUI sends such an answer back as an empty message, ``<think>\\n\\n</think>\\n\\n``).
+The copy's ``</think>`` then follows the rows, and the whitespace before it is served as the
+template writes it after a reasoning (one ``\\n``), so that the prompt is the one the template
+renders for a client that sends the cut reasoning back.
+
 When the copy aligns, the engine is served the rows' own tokens up to the end anchor (the
 context it had, hidden tokens and reasoning included) followed by the prompt's tokens after the
 matched part: ``served = record.rows + prompt[cut:]``.
@@ -346,7 +353,8 @@ def align(record: EndRecord, prompt: Sequence[int], token_bytes: TokenBytes, *,
     streams = record.streams(token_bytes)
     calls = CALL_OPEN in streams.nonws[max(0, _call_start(streams.nonws, d)):]
     passes = [(False, False)] + ([(False, True)] if calls else [])
-    if allow_reasoning and any(r.think_close is not None for r in record.regions):
+    if allow_reasoning and (any(r.think_close is not None for r in record.regions)
+                            or _unclosed(record)):
         passes += [(True, False)] + ([(True, True)] if calls else [])
     for reasoning_pass, values in passes:
         found = _align_pass(record, streams, prompt, d, token_bytes, reasoning=reasoning_pass,
@@ -390,6 +398,15 @@ def _nonws_list(ids: Sequence[int], cache: dict[int, bytes], token_bytes: TokenB
                     b = cache[t] = (token_bytes(t) or b"").translate(None, WHITESPACE)
                 out[i] = b
     return out
+
+
+def _unclosed(record: EndRecord) -> list[Region]:
+    """The regions that began inside an open ``<think>`` and wrote no ``</think>`` and no call:
+    every row of theirs is reasoning."""
+    rows = record.rows
+    return [r for r in record.regions
+            if r.think_close is None and not r.closed_by_call and r.stop > r.start
+            and _opens_reasoning(rows[max(0, r.start - 4):r.start], THINK_CLOSE_ID)]
 
 
 def _opens_reasoning(served: Sequence[int], think_close_id: int) -> bool:
@@ -465,6 +482,14 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
     thinks = [(r.start, r.think_close) for r in record.regions
               if reasoning and r.think_close is not None and r.think_close > d
               and r.think_close > r.start]
+    open_end = None  # the start of an unclosed reasoning the rows end in
+    if reasoning:
+        for r in _unclosed(record):
+            if r.stop > d:
+                thinks.append((r.start, r.stop))
+                if r.stop == n:
+                    open_end = r.start
+        thinks.sort()
     s = min([d] + [a for a, _ in hidden] + [a for a, _ in thinks])
     if values:
         s = _call_start(streams.nonws, s)
@@ -512,15 +537,28 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
     pdata = b"".join(tail)
     pos = 0
     replay_reasoning = 0
+    left_out = False  # the last piece is reasoning the copy left out
     for tag, chunk, count in pieces:
+        left_out = False
         if pdata.startswith(chunk, pos):
             pos += len(chunk)
         elif tag >= 0:
             replay_reasoning += count  # the copy leaves this region's reasoning out
+            left_out = True
         else:
             return None
     if reasoning and replay_reasoning == 0:
         return None  # the glue pass has said so already
+    if left_out and open_end is not None and thinks[pieces[-1][0]][0] == open_end:
+        # The rows end in a reasoning the copy left out: the copy must close its empty think
+        # block right there (a copy whose reasoning differs is not this conversation).
+        if not pdata.startswith(THINK_CLOSE, pos):
+            return None
+        if streams.nonws[n - 1]:
+            closed = _close_after(rows, prompt, s, pos, open_end, streams.cache, token_bytes,
+                                  split)
+            if closed is not None:
+                return closed[0], replay_hidden, replay_reasoning, closed[1]
     # The match must end at a prompt token boundary, or inside a token whose rest ``split``
     # re-encodes.
     if pos == 0:
@@ -550,6 +588,46 @@ def _align_pass(record: EndRecord, streams: _Streams, prompt: list[int], d: int,
         have += raw
         cut += 1
     return cut, replay_hidden, replay_reasoning, []
+
+
+def _close_after(rows: list[int], prompt: list[int], s: int, pos: int, start: int,
+                 cache: dict[int, bytes], token_bytes: TokenBytes,
+                 split: SplitToken | None) -> tuple[int, list[int]] | None:
+    """Where the rows end inside a reasoning the copy left out (it begins at row ``start``,
+    after ``<think>`` and whitespace) and the copy goes on, after ``pos`` of its
+    non-whitespace bytes from ``s`` (its ``<think>``), with whitespace and ``</think>``: (the
+    copy's ``</think>`` token, the tokens of the whitespace served before it). The template
+    writes ``<think>\\n`` + the reasoning + ``\\n</think>``; the copy's whitespace there also
+    holds what the rows have between ``<think>`` and ``start``, so that much of it is left
+    out. None where the copy does not go on so, or ``split`` cannot encode the rest (the
+    copy's whitespace is served as it is then)."""
+    k = start
+    while k > 0 and not _nonws_list((rows[k - 1],), cache, token_bytes)[0]:
+        k -= 1
+    if k == 0 or rows[k - 1] != THINK_OPEN_ID:
+        return None
+    cut, seen = s, 0
+    while seen < pos:  # the copy's token after its last matched byte, its <think>
+        seen += len(_nonws_list((prompt[cut],), cache, token_bytes)[0])
+        cut += 1
+    if seen != pos or cut == 0 or prompt[cut - 1] != THINK_OPEN_ID:
+        return None
+    j = cut
+    while j < len(prompt) and not _nonws_list((prompt[j],), cache, token_bytes)[0]:
+        j += 1
+    if j == len(prompt) or (token_bytes(prompt[j]) or b"") != THINK_CLOSE:
+        return None
+    have = b"".join(token_bytes(t) or b"" for t in rows[k:start])
+    copy_ws = b"".join(token_bytes(t) or b"" for t in prompt[cut:j])
+    if not copy_ws.startswith(have):
+        return None
+    rest = copy_ws[len(have):]
+    if not rest:
+        return j, []
+    if split is None:
+        return None
+    tokens = split(prompt[cut], rest)
+    return (j, tokens) if tokens else None
 
 
 def _rest_of(token_id: int, matched: int, token_bytes: TokenBytes,

@@ -182,6 +182,89 @@ def test_a_copy_that_sends_one_answers_reasoning_and_strips_another_aligns(tok):
     assert al3.replayed_reasoning == r.think_close - r.start
 
 
+def _cut_in_reasoning(tok):
+    # max_tokens (or the client's stop) came inside the reasoning: the rows end in it, with no
+    # </think>, and the answer is empty
+    gen = tok.encode(REASONING, allow_special=False)
+    prompt1, record = first_turn(tok, gen)
+    assert record.regions[0].think_close is None
+    return gen, record
+
+
+def test_an_answer_cut_inside_its_reasoning_aligns_when_the_copy_leaves_the_reasoning_out(tok):
+    gen, record = _cut_in_reasoning(tok)
+    # Open WebUI's copy: the empty answer, no reasoning: <think>\n\n</think>\n\n<|im_end|>
+    copy = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": ""}, FOLLOW])
+    assert common_prefix(record.rows, copy) < len(record.rows)
+    assert align(record, copy, tok.token_bytes, allow_reasoning=False) is None
+    split = token_splitter(tok.encode_text, tok.special_ids.values())
+    al = align(record, copy, tok.token_bytes, split=split)
+    assert al is not None and al.mode == "reasoning"
+    assert al.served[:len(record.rows)] == record.rows
+    assert al.replayed_reasoning == len(gen)
+    # the prompt the template renders for a client that sends the cut reasoning back
+    sent_back = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": "",
+                                             "reasoning_content": REASONING}, FOLLOW])
+    assert tok.decode(al.served) == tok.decode(sent_back)
+    assert tok.decode(al.served[len(record.rows):]).startswith(
+        "\n</think>\n\n<|im_end|>\n<|im_start|>user\nAnd of Italy?")
+    # without a splitter the copy's own whitespace before </think> is served: still the end
+    plain = align(record, copy, tok.token_bytes)
+    assert plain is not None and plain.mode == "reasoning"
+    check_served(tok, plain, record, copy)
+    assert tok.decode(copy[plain.cut:]).startswith("\n\n</think>")
+    # the copy sent with the reasoning aligns as it did, the rows being its start
+    glued = align(record, sent_back, tok.token_bytes, split=split)
+    assert glued is not None and glued.mode in ("exact", "glue") and glued.replayed_reasoning == 0
+
+
+def test_a_chat_resumed_after_a_cut_reasoning_aligns_on_the_next_turn_too(tok):
+    gen, record = _cut_in_reasoning(tok)
+    split = token_splitter(tok.encode_text, tok.special_ids.values())
+    msgs = [SYSTEM, USER, {"role": "assistant", "content": ""}, FOLLOW]
+    al = align(record, copy_of(tok, msgs), tok.token_bytes, split=split)
+    r2, a2 = "Italy's capital is Rome.", "Rome is the capital of Italy."
+    record2 = EndRecord.after_turn(record, al.served, gen_tokens(tok, r2, a2))
+    assert len(record2.regions) == 2 and record2.regions[0] == record.regions[0]
+    copy3 = copy_of(tok, msgs + [{"role": "assistant", "content": a2},
+                                 {"role": "user", "content": "Spain?"}])
+    al3 = align(record2, copy3, tok.token_bytes, split=split)
+    assert al3 is not None and al3.mode == "reasoning"
+    check_served(tok, al3, record2, copy3)
+    second = record2.regions[1]
+    assert al3.replayed_reasoning == len(gen) + second.think_close - second.start
+    assert tok.decode(copy3[al3.cut:]).startswith("<|im_end|>\n<|im_start|>user\nSpain?")
+
+
+def test_an_answer_cut_without_thinking_is_not_taken_for_reasoning(tok):
+    # the prompt closed the think block (thinking off): the cut answer is an answer, and a copy
+    # that leaves it out changed what the engine saw
+    prompt1 = enc(tok, render_chat([SYSTEM, USER], enable_thinking=False))
+    assert tok.decode(prompt1).endswith("<think>\n\n</think>\n\n")
+    gen = tok.encode(ANSWER, allow_special=False)
+    record = EndRecord.after_turn(None, prompt1, gen)
+    split = token_splitter(tok.encode_text, tok.special_ids.values())
+    empty = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": ""}, FOLLOW])
+    assert align(record, empty, tok.token_bytes, split=split) is None
+    kept = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": ANSWER}, FOLLOW])
+    al = align(record, kept, tok.token_bytes, split=split)
+    assert al is not None and al.mode in ("exact", "glue")
+
+
+def test_a_copy_whose_cut_reasoning_differs_from_the_rows_does_not_align(tok):
+    gen, record = _cut_in_reasoning(tok)
+    split = token_splitter(tok.encode_text, tok.special_ids.values())
+    # another reasoning sent back: leaving the rows' out would serve both, one after the other
+    other = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": "",
+                                         "reasoning_content": "Something else entirely."},
+                          FOLLOW])
+    assert align(record, other, tok.token_bytes, split=split) is None
+    # a reasoning that stops short of the rows' is not theirs either
+    short = copy_of(tok, [SYSTEM, USER, {"role": "assistant", "content": "",
+                                         "reasoning_content": REASONING[:40]}, FOLLOW])
+    assert align(record, short, tok.token_bytes, split=split) is None
+
+
 def budget_generation(tok, reasoning: str, answer: str, budget_tokens: int):
     """A generation the reasoning budget closes: the model's reasoning tokens, cut after
     ``budget_tokens``, the forced close, then the answer."""

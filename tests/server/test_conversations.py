@@ -4,6 +4,7 @@ field tandem_forced_output; every later turn must resume at the end anchor (gree
 states were written by decoding), through the end alignment where the client's copy differs
 from the rows (re-tokenised text, compacted tool-call JSON, stripped reasoning)."""
 
+import msgspec
 import pytest
 from opencode_copy import opencode_copy
 
@@ -159,3 +160,51 @@ async def test_an_open_webui_chat_whose_park_was_taken_comes_back_from_the_store
     assert cache["reread"] < 30
     stats = (await server.app[CACHE_STATS]())["tiers"]
     assert stats["resident"]["aligned_to_store"] == 1 and stats["store"]["session_hits"] == 1
+
+
+async def test_an_answer_cut_inside_its_reasoning_resumes_at_the_end_when_sent_back_empty(
+        small_loaded, make_config, serve, sdk, tmp_path):
+    """max_tokens came inside the reasoning: the answer is empty and Open WebUI sends it back
+    so, <think>\\n\\n</think>\\n\\n. The copy aligns with the rows (their reasoning left out,
+    the copy's </think> after it), the turn resumes at the end anchor, and its greedy tokens
+    are those of a cold prefill of the conversation sent with the reasoning the rows hold
+    (greedy gate: the rows were written by decoding)."""
+    tok = small_loaded.tokenizer
+    forced = "Some thought about the essay and how it ends, then more of it."
+    kept = tok.decode(tok.encode(forced)[:5])  # a cut answer's last token is not in the rows
+    assert kept == "Some thought about the essay"
+    question = "Here is my essay draft; tell me what to improve. " + "The essay text. " * 100
+    messages = [{"role": "user", "content": question}]
+    follow = {"role": "user", "content": "And the ending?"}
+    app = build_app(make_config(allow_forced_output=True, window=8192, parallel=1),
+                    small_loaded)
+    async with serve(app) as server:
+        client = sdk(server)
+        first = await client.chat.completions.create(
+            model="small", messages=messages, max_tokens=6, temperature=0,
+            extra_body={"tandem_forced_output": forced})
+        assert first.choices[0].finish_reason == "length"
+        assert not first.choices[0].message.content
+        assert first.choices[0].message.model_extra["reasoning_content"]
+        resumed = await client.chat.completions.create(
+            model="small", messages=messages + [{"role": "assistant", "content": ""}, follow],
+            max_tokens=8, temperature=0)
+    cache = _cache(resumed)
+    assert (cache["source"], cache["aligned"]) == ("end", "reasoning"), cache
+    assert cache["end_replayed"] == 5 and cache["reread"] < 20, cache
+    # a server of its own home: nothing the first wrote (its spill) is read
+    fresh = msgspec.structs.replace(make_config(window=8192, parallel=1),
+                                    home=str(tmp_path / "cold"))
+    async with serve(build_app(fresh, small_loaded)) as server:
+        cold = await sdk(server).chat.completions.create(
+            model="small", messages=messages + [
+                {"role": "assistant", "content": "", "reasoning_content": kept}, follow],
+            max_tokens=8, temperature=0)
+    assert _cache(cold)["source"] == "cold"
+    # the prompt the engine read (the rows' reasoning injected) is the cold one's, token for
+    # token in length; the client's copy is shorter by that reasoning
+    assert cache["cached"] + cache["reread"] == cold.usage.prompt_tokens
+    assert resumed.usage.model_extra["tandem"]["parts"]["injected"] == 6  # five rows and a \n
+    got, want = resumed.choices[0].message, cold.choices[0].message
+    assert (got.model_extra.get("reasoning_content"), got.content) == (
+        want.model_extra.get("reasoning_content"), want.content)
