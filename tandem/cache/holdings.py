@@ -219,6 +219,14 @@ def resident_offer(held: ResidentHoldings, prompt: Sequence[int], namespace: Nam
         line = held.anchors.best(min(c, limit))
         if line > best.start:
             best = Resume(line, "resident")
+        # A prompt that goes on from the last prompt and some of its answer, but not all of
+        # it: a copy of an answer the client stopped (the rows hold tokens decoded after its
+        # last chunk) or edited. The state that prompt's prefill left is in place under the
+        # answer's rows; what is forwarded from it, off the grid, holds the greedy gate, as a
+        # resume at the end anchor does. A prompt that parts right at the last prompt's end
+        # shares no decoded row and resumes on the grid, bit for bit.
+        if pe is not None and best.start < pe.length < c and not held.stash.active:
+            best = Resume(pe.length, "prompt_end")
     return ResidentOffer(best, c, continuing, False)
 
 

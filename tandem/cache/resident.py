@@ -313,7 +313,8 @@ class ResidentPrefix:
         self.session = session
         self.namespace = namespace
         self._count(best)
-        if best.source == "prompt_end":
+        if best.source == "prompt_end" and best.start == len(prompt):
+            # the same prompt: its last position's logits, nothing forwarded
             return Resume(best.start, best.source, logits=self.prompt_end.logits.clone())
         return best
 
@@ -359,6 +360,10 @@ class ResidentPrefix:
         compaction = (namespace == self.namespace and c < self.chunk
                       and length >= self.chunk and offer.source != "prompt_end")
         drop_park = compaction and self.park_tier.holds_session(session, namespace)
+        if offer.source == "prompt_end" and c > offer.start:
+            # It goes on from part of the answer (a stopped stream's copy): the same
+            # conversation, whose rows past that part nobody was shown. Nothing to park.
+            other = False
         park_above = offer.start if other and length > offer.start else None
         pin = self.pin_tier
         pin_head = (park_above is None and compaction

@@ -15,7 +15,8 @@ names them.
 Sources (``usage.tandem.cache.source``):
 
 - ``cold``: nothing was resumed; ``engine``: the engine alone resumed rows in place (caches off);
-- ``resident``: a grid anchor; ``prompt_end``: the state at the end of the same prompt;
+- ``resident``: a grid anchor; ``prompt_end``: the state at the end of the last prompt (the
+  same prompt again, or one going on from it and part of its answer);
   ``end``: the end of the last answer; ``pin``: the head a compaction pinned; ``park``: a
   conversation parked when another came (all in the resident tier);
 - ``store``: a state store snapshot; ``disk``: the disk tier's chunk and anchor files (above the

@@ -5,7 +5,9 @@ prefill's again, bit for bit."""
 import pytest
 import torch
 
-from resident_rig import Rig, assert_bit_exact, assert_uninterrupted, cold, tokens
+from resident_rig import (Rig, assert_bit_exact, assert_uninterrupted, cold, tokens,
+                          uninterrupted)
+from tandem.cache.resident import ResidentPrefix
 from tandem.engine import Engine, SamplingParams
 from tandem.models.hybrid import HybridModel
 from tandem.models.third import ThirdModel
@@ -40,12 +42,25 @@ def test_taint_is_the_first_row_decoding_wrote(model):
     assert rig.resident.statistics()["taint"] == 300
 
 
-def test_a_prompt_parting_inside_the_answer_resumes_at_its_last_grid_anchor_bit_for_bit(model):
+def test_a_prompt_parting_inside_the_answer_resumes_at_the_prompts_end(model):
     v = model.vocab_size
     rig = Rig(model)
     turn1 = tokens(v, 300, 1)
     _, out1 = rig.turn(turn1)
     # The client's copy of the answer differs from the rows after 3 tokens.
+    turn2 = turn1 + out1[:3] + tokens(v, 60, 3)
+    resume, out2 = rig.turn(turn2)
+    assert (resume.source, resume.start) == ("prompt_end", 300)
+    assert rig.engine.taint == 300  # forwarded off the grid from the prompt's end
+    assert out2 == uninterrupted(model, [turn2])[0]  # greedy gate
+
+
+def test_without_the_prompt_end_anchor_it_resumes_at_its_last_grid_anchor_bit_for_bit(model):
+    v = model.vocab_size
+    rig = Rig(model)
+    rig.resident = ResidentPrefix(rig.engine, rig.memory, prompt_end_anchor=False)
+    turn1 = tokens(v, 300, 1)
+    _, out1 = rig.turn(turn1)
     turn2 = turn1 + out1[:3] + tokens(v, 60, 3)
     resume, logits = rig.prefill(turn2)
     assert (resume.source, resume.start) == ("resident", 256)

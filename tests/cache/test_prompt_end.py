@@ -1,5 +1,6 @@
 """The prompt-end anchor: the state a prompt's prefill left, copied before the first decode, with
-the last position's logits. The same prompt again (a regenerate, a retry) forwards nothing.
+the last position's logits. The same prompt again (a regenerate, a retry) forwards nothing; a
+prompt that goes on from it but not from its answer (a stopped or edited answer) resumes there.
 
 Gate: bit-exact. The copy is the cold prefill's state at the prompt's end and the rows under it
 are the prefill's rows, left in place (decoding only appends past them), so the logits the first
@@ -87,14 +88,76 @@ def test_a_prompt_that_differs_in_its_last_token_does_not_take_it(model):
     assert_uninterrupted(rig.engine, model, [other], [out])  # a grid resume: cold tokens, bits
 
 
-def test_neither_a_prefix_nor_an_extension_of_the_prompt_takes_it(model):
+def test_a_prefix_of_the_prompt_does_not_take_it(model):
     rig = Rig(model)
     v = model.vocab_size
     prompt = tokens(v, 200, 4)
     rig.turn(prompt, session="s")
     assert rig.resident.offer(prompt[:-1]).source != "prompt_end"
-    assert rig.resident.offer(prompt + [7]).source != "prompt_end"
     assert rig.resident.offer(prompt).source == "prompt_end"
+
+
+def _parting(model, seed: int, cut: int):
+    """A turn, then the prompt with the answer cut after ``cut`` of its tokens (a client that
+    stopped the stream: the rows hold the tokens decoded after what it saw) and a new
+    message: it parts from the rows inside the answer."""
+    rig = Rig(model)
+    v = model.vocab_size
+    prompt = tokens(v, 200, seed)  # no grid line at its end: the last line is 192
+    _, first = rig.turn(prompt, session="s")
+    nxt = prompt + first[:cut] + tokens(v, 20, seed + 100)
+    assert nxt[:200 + cut + 1] != rig.engine.token_ids[:200 + cut + 1]
+    return rig, prompt, nxt
+
+
+@pytest.mark.parametrize("cut", [1, 5])
+def test_a_prompt_that_goes_on_from_part_of_the_answer_resumes_at_the_prompts_end(model, cut):
+    """Gate: the state restored at the prompt's end is the cold prefill's, bit for bit; the
+    rest is forwarded from there, off the grid (taint at the prompt's end), and the greedy
+    tokens are the cold run's."""
+    rig, prompt, nxt = _parting(model, 40 + cut, cut)
+    resume = rig.resident.begin(nxt, 16, "s")
+    assert (resume.source, resume.start, resume.logits) == ("prompt_end", 200, None)
+    engine, _ = cold(model, prompt)
+    assert rig.engine.length == 200
+    assert_bit_exact(rig.engine, engine, 200)
+    result = rig.engine.generate(nxt, SamplingParams(max_tokens=16),
+                                 on_chunk=rig.resident.on_chunk,
+                                 on_prefill=rig.resident.on_prefill)
+    rig.resident.finish()
+    rig.resident.check_invariants()
+    assert result.reused_tokens == 200
+    assert rig.engine.taint == 200  # resumed off the grid: the greedy gate from here on
+    assert result.token_ids == uninterrupted(model, [nxt])[0]
+    assert rig.resident.stats.prompt_end_hits == 1
+    assert rig.resident.prompt_end.token_ids == nxt  # the new prompt's, in the buffers
+
+
+def test_a_prompt_that_parts_right_at_the_prompts_end_resumes_on_the_grid_bit_for_bit(model):
+    """Gate: bit for bit. Nothing it shares was decoded (another answer, or a completion's
+    prompt going on otherwise), so it resumes at the grid line under the prompt's end."""
+    rig, prompt, nxt = _parting(model, 50, 0)
+    resume, logits = rig.prefill(nxt, session="s")
+    assert (resume.source, resume.start) == ("resident", 192)
+    assert rig.engine.taint is None
+    engine, want = cold(model, nxt)
+    assert torch.equal(logits, want)
+    assert_bit_exact(rig.engine, engine, len(nxt))
+
+
+def test_the_end_anchor_or_a_grid_line_past_the_prompts_end_is_taken_before_it(model):
+    rig = Rig(model)
+    v = model.vocab_size
+    prompt = tokens(v, 200, 60)
+    _, first = rig.turn(prompt, session="s")
+    # the copy sends the whole answer back: it goes on from the end anchor, later still
+    assert rig.resident.offer(prompt + first[:15] + [3, 4]).source == "end"
+    # a prompt whose prefill passes a grid line past the prompt's end keeps its anchor there
+    longer = prompt + first[:2] + tokens(v, 100, 61)
+    resume, out = rig.turn(longer, session="s")
+    assert resume.source == "prompt_end" and resume.start == 200
+    # the next one resumes at the new prompt's end, past the grid line 256 its prefill passed
+    assert rig.resident.offer(longer + out[:1] + [9]).start == len(longer)
 
 
 def test_another_namespace_does_not_take_it(model):
@@ -220,3 +283,20 @@ def test_a_store_restore_under_the_prompts_end_drops_it():
     assert_bit_exact(rig.engine, cold(model, longer[:256])[0], 256)
     rig.planner.abort()
     rig.planner.check_invariants()
+
+
+def test_a_stopped_streams_copy_without_a_session_key_parks_nothing(model):
+    """Without session keys a prompt that parts from the rows counts as another conversation,
+    and the rows above its resume are parked for the one that left. A copy that goes on from
+    part of the answer is the same conversation: the rest of the answer nobody was shown is
+    not parked (nor spilled)."""
+    rig = Rig(model)
+    v = model.vocab_size
+    prompt = tokens(v, 200, 70)
+    _, first = rig.turn(prompt)
+    resume, _ = rig.turn(prompt + first[:3] + tokens(v, 20, 71))
+    assert resume.source == "prompt_end"
+    assert rig.resident.parked is None and rig.resident.statistics()["parks"] == 0
+    # one that parts right at the prompt's end is another conversation, as before
+    _, second = rig.turn(prompt + tokens(v, 30, 72))
+    assert rig.resident.parked is not None and rig.resident.statistics()["parks"] == 1
