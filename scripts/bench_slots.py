@@ -55,6 +55,14 @@ def _words(seed: int, n: int) -> str:
     return " ".join(f"w{(seed * 7919 + i * 104729) % 50021}" for i in range(n))
 
 
+async def sse_docs(resp):
+    """The JSON documents of a streamed response's ``data:`` lines."""
+    async for line in resp.content:
+        line = line.strip()
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
 class Server:
     """``tandem serve`` in a process of its own (the client here shares no interpreter with
     it: in one process the client's parsing took the engine's GIL time, a few ms a token), or
@@ -121,11 +129,7 @@ class Server:
         async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions",
                                   json=body) as resp:
             assert resp.status == 200, await resp.text()
-            async for line in resp.content:
-                line = line.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                doc = json.loads(line[6:])
+            async for doc in sse_docs(resp):
                 choice = (doc.get("choices") or [None])[0]
                 piece = (choice or {}).get("text", "")
                 # the first token's event (llama-server's last one carries no text, only its

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_slots import PEER, Server, _words  # noqa: E402
+from bench_slots import PEER, Server, _words, sse_docs  # noqa: E402
 from tandem.models.tiny import ensure_tiny  # noqa: E402
 
 
@@ -54,11 +53,7 @@ async def _stream(server: Server, messages: list, thinking: bool, max_tokens: in
                                   json=body)
     try:
         assert resp.status == 200, await resp.text()
-        async for line in resp.content:
-            line = line.strip()
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            doc = json.loads(line[6:])
+        async for doc in sse_docs(resp):
             usage = doc.get("usage") or usage
             timings = doc.get("timings") or timings
             if not doc.get("choices"):
