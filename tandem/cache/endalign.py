@@ -145,9 +145,10 @@ class _Side:
     data: bytes = b""
 
     def extend(self, tail: list[bytes]) -> None:
-        base = self.offsets[-1]
+        ends = accumulate(map(len, tail), initial=self.offsets[-1])
+        next(ends)  # the first is the last offset already in
         self.nonws.extend(tail)
-        self.offsets.extend(base + x for x in accumulate(map(len, tail)))
+        self.offsets.extend(ends)
         self.data = self.data + b"".join(tail)
 
     def copy(self) -> "_Side":
@@ -185,18 +186,24 @@ class _Streams:
     data: bytes = b""
     ids: list[int] = field(default_factory=list)
     shown_rows: int = 0
+    raw_of: dict[int, bytes] = field(default_factory=dict)  # a token's bytes, as ``cache``
 
     def copy(self) -> "_Streams":
         return _Streams(self.tb, self.cache, self.raw.copy(), self.shown.copy(), self.strict,
                         self.lenient, self.nonws, self.offsets, self.data, list(self.ids),
-                        self.shown_rows)
+                        self.shown_rows, self.raw_of)
 
     def grow(self, ids: Sequence[int]) -> None:
-        """Rows ``ids`` after those in: the work is theirs alone, not the whole record's."""
-        tb = self.tb
-        raw = [tb(t) or b"" for t in ids]
-        nonws = [b.translate(None, WHITESPACE) for b in raw]
-        self.cache.update(zip(ids, nonws))  # as _nonws_list keeps them, for the prompt's
+        """Rows ``ids`` after those in: the work is theirs alone, not the whole record's.
+        Each distinct token's bytes are asked for once (a 17k-token record holds a few
+        thousand): the loop builds a new record's streams when a prompt is first offered
+        against it, on that request's way to its first token."""
+        tb, raw_of, cache = self.tb, self.raw_of, self.cache
+        for t in set(ids).difference(raw_of):
+            b = raw_of[t] = tb(t) or b""
+            cache[t] = b.translate(None, WHITESPACE)  # as _nonws_list keeps them
+        raw = [raw_of[t] for t in ids]
+        nonws = [cache[t] for t in ids]
         self.ids.extend(ids)
         self.raw.extend(nonws)
         if self.strict is not None:
@@ -211,7 +218,7 @@ class _Streams:
             return
         lenient = _decoder(self.lenient, "replace")
         behind = self.ids[self.shown_rows:]
-        behind_raw = raw if len(behind) == len(raw) else [tb(t) or b"" for t in behind]
+        behind_raw = raw if len(behind) == len(raw) else [raw_of[t] for t in behind]
         self.shown.extend([lenient.decode(b).encode("utf-8").translate(None, WHITESPACE)
                            for b in behind_raw])
         self.lenient, self.shown_rows = lenient.getstate(), len(self.ids)
